@@ -1,0 +1,54 @@
+"""mpjax: functional mixed-precision training for JAX and Flax.
+
+Precision policies and the O0-O3 levels, loss scales as pytrees, and loss scaling as an optax
+transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp's.
+"""
+
+from mpjax._src.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+from mpjax._src.ops import F32_OPS, LOWER_OPS
+from mpjax._src.policy import (
+    LEVELS,
+    Policy,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+    parse_dtype,
+)
+from mpjax._src.transform import (
+    LossScaleState,
+    get_loss_scale,
+    loss_scale,
+    loss_scale_metrics,
+)
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "F32_OPS",
+    "LEVELS",
+    "LOWER_OPS",
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaleState",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "get_loss_scale",
+    "get_policy",
+    "half_dtype",
+    "loss_scale",
+    "loss_scale_metrics",
+    "parse_dtype",
+    "select_tree",
+)

@@ -1,0 +1,1 @@
+"""mpjax internals; import from `mpjax` instead."""

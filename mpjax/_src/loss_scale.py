@@ -1,0 +1,407 @@
+"""Loss scales as pytrees (jmp's `NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`) and
+the finite-check helpers `all_finite` and `select_tree`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T = TypeVar("T")
+
+
+def _is_float_leaf(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def check_scale_value(value: Any, name: str) -> float:
+    """Returns a loss-scale setting as a Python float, or raises a clear error.
+
+    Raises:
+      TypeError: for an integer, bool or non-numeric value.
+      ValueError: for a non-finite or non-positive value.
+    """
+    if isinstance(value, (bool, np.bool_)) or (
+        hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.floating)
+    ):
+        raise TypeError(f"{name} must be a float, got {value!r}; write e.g. {name}=2.0**15.")
+    if isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{name} must be a float, got the int {value}; write {name}={float(value)!r} "
+            "(an int scale would make jax trace integer arithmetic)."
+        )
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"{name} must be a concrete number, got a traced value; it is static "
+            "configuration, so set it outside jax.jit."
+        )
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}.") from None
+    if not math.isfinite(result) or result <= 0:
+        raise ValueError(f"{name} must be a positive finite float, got {result}.")
+    return result
+
+
+def _wide(x: Any) -> Any:
+    # Promote explicitly (works under jax_numpy_dtype_promotion="strict"): half -> float32.
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _scale_tree(tree: T, factor: Any) -> T:
+    # As jmp: a half leaf times the float32 scale gives float32, so a scaled half loss
+    # cannot overflow before the backward pass starts.
+    return jax.tree_util.tree_map(lambda x: _wide(x) * factor if _is_float_leaf(x) else x, tree)
+
+
+def _unscale_tree(tree: T, loss_scale: Any) -> T:
+    inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
+
+    def unscale(x):
+        if not _is_float_leaf(x):
+            return x
+        # Unlike jmp (which returns float32 for half leaves), keep each leaf's dtype so that
+        # optimizer state dtypes stay stable from step to step.
+        return (_wide(x) * inv).astype(x.dtype)
+
+    return jax.tree_util.tree_map(unscale, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOpLossScale:
+    """A loss scale that does nothing: the choice for float32 and bfloat16.
+
+    A pytree with no leaves.
+
+    Example:
+      >>> import mpjax
+      >>> mpjax.NoOpLossScale().scale(3.0)
+      3.0
+    """
+
+    @property
+    def loss_scale(self) -> int:
+        """Always 1, as jmp."""
+        return 1
+
+    def scale(self, tree: T) -> T:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def unscale(self, tree: T) -> T:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: Any) -> NoOpLossScale:
+        """Returns self."""
+        del grads_finite
+        return self
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class StaticLossScale:
+    """Scales and unscales by a fixed constant.
+
+    A pytree with no leaves: the scale is static configuration (a Python float), so it is
+    part of the tree structure and survives any ``tree_map``.
+
+    Args:
+      loss_scale: a positive finite float (an int is rejected: write ``1024.0``).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> ls = mpjax.StaticLossScale(128.0)
+      >>> float(ls.unscale(ls.scale(jnp.float32(0.5))))
+      0.5
+    """
+
+    loss_scale: float
+
+    def __init__(self, loss_scale: Any):
+        object.__setattr__(self, "loss_scale", check_scale_value(loss_scale, "loss_scale"))
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating leaves of `tree` by the scale (in float32)."""
+        return _scale_tree(tree, jnp.float32(self.loss_scale))
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating leaves of `tree` by the scale, keeping each leaf's dtype."""
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: Any) -> StaticLossScale:
+        """Returns self: a static scale never changes."""
+        del grads_finite
+        return self
+
+
+jax.tree_util.register_pytree_node(
+    NoOpLossScale, lambda x: ((), None), lambda aux, children: NoOpLossScale()
+)
+jax.tree_util.register_pytree_node(
+    StaticLossScale,
+    lambda x: ((), x.loss_scale),
+    lambda aux, children: StaticLossScale(aux),
+)
+
+_STATIC_FIELDS = (
+    "period",
+    "factor",
+    "min_loss_scale",
+    "growth_factor",
+    "backoff_factor",
+    "hysteresis",
+    "max_loss_scale",
+)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class DynamicLossScale:
+    """Dynamic loss scaling: the largest scale that keeps gradients finite.
+
+    jmp's rule by default: after `period` consecutive finite steps the scale grows by
+    `factor`; on a non-finite step it shrinks by `factor` (not below `min_loss_scale`) and the
+    counter restarts. Beyond jmp, the knobs of torch's GradScaler, PaddlePaddle and
+    DeepSpeed: separate growth and backoff factors, hysteresis (back off only on the
+    `hysteresis`-th consecutive overflow, Paddle's ``decr_every_n_nan_or_inf``) and a
+    maximum (growth is capped, so the scale is never inf; apex caps at 2**24).
+
+    The pytree leaves are the scale (float32) and the counter (int32), as jmp's, plus the
+    overflow counter when ``hysteresis > 1``. Every other field is static and survives
+    ``tree_map``, ``jit``, ``.lower()``, ``vmap`` and pickling (jmp loses ``min_loss_scale``).
+
+    Args:
+      loss_scale: the initial scale, a positive float (a float16 value is kept in float32).
+      counter: consecutive finite steps so far (int32).
+      period: finite steps between growths (torch's ``growth_interval``).
+      factor: jmp's single factor: grow by it, back off by ``1 / factor``.
+      min_loss_scale: the scale never backs off below this.
+      growth_factor: growth factor (default `factor`); must be > 1.
+      backoff_factor: backoff multiplier (default ``1 / factor``); must be in (0, 1).
+      hysteresis: back off on this many consecutive non-finite steps (default 1).
+      max_loss_scale: growth is capped here (default 2**24, apex's cap).
+      bad_steps: consecutive non-finite steps so far (only with ``hysteresis > 1``).
+
+    References:
+      Micikevicius et al., 2018, "Mixed Precision Training", https://arxiv.org/abs/1710.03740
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> ls = mpjax.DynamicLossScale(2.0**15, period=2)
+      >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))   # two finite steps
+      >>> float(ls.loss_scale)
+      65536.0
+      >>> float(ls.adjust(jnp.array(False)).loss_scale)              # an overflow
+      32768.0
+    """
+
+    loss_scale: jax.Array
+    counter: jax.Array
+    period: int
+    factor: float
+    min_loss_scale: float
+    growth_factor: float
+    backoff_factor: float | None
+    hysteresis: int
+    max_loss_scale: float
+    bad_steps: jax.Array | None
+
+    def __init__(
+        self,
+        loss_scale: Any,
+        counter: Any = None,
+        period: int = 2000,
+        factor: float = 2,
+        min_loss_scale: Any = 1.0,
+        *,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        hysteresis: int = 1,
+        max_loss_scale: float = 2.0**24,
+        bad_steps: Any = None,
+    ):
+        if _is_concrete(loss_scale):
+            check_scale_value(loss_scale, "loss_scale")
+        elif not jnp.issubdtype(loss_scale.dtype, jnp.floating):
+            raise TypeError(f"loss_scale must be a float, got dtype {loss_scale.dtype}.")
+        if not isinstance(period, (int, np.integer)) or isinstance(period, bool) or period < 1:
+            raise ValueError(f"period must be an int >= 1, got {period!r}.")
+        if not isinstance(hysteresis, (int, np.integer)) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}.")
+        factor_f = float(factor)
+        growth = float(growth_factor) if growth_factor is not None else factor_f
+        if not math.isfinite(growth) or growth <= 1:
+            raise ValueError(
+                f"growth factor must be > 1 (the scale has to grow back), got {growth}; "
+                "torch and jmp use 2."
+            )
+        if backoff_factor is None:
+            if not factor_f > 1:
+                raise ValueError(f"factor must be > 1, got {factor_f}; jmp and torch use 2.")
+        elif not 0 < float(backoff_factor) < 1:
+            raise ValueError(
+                f"backoff_factor must be in (0, 1) (the scale has to shrink on overflow), got "
+                f"{backoff_factor}; torch uses 0.5."
+            )
+        min_f = float(min_loss_scale)  # ints are fine for bounds (jmp's default is an array)
+        max_f = float(max_loss_scale)
+        if not (math.isfinite(min_f) and min_f > 0):
+            raise ValueError(f"min_loss_scale must be a positive finite number, got {min_f}.")
+        if not max_f >= min_f:
+            raise ValueError(
+                f"max_loss_scale ({max_f}) must be >= min_loss_scale ({min_f})."
+            )
+        values = {
+            "loss_scale": jnp.asarray(loss_scale, jnp.float32),
+            "counter": jnp.asarray(0 if counter is None else counter, jnp.int32),
+            "period": int(period),
+            "factor": factor,
+            "min_loss_scale": min_f,
+            "growth_factor": growth,
+            "backoff_factor": None if backoff_factor is None else float(backoff_factor),
+            "hysteresis": int(hysteresis),
+            "max_loss_scale": max_f,
+            "bad_steps": (
+                jnp.asarray(0 if bad_steps is None else bad_steps, jnp.int32)
+                if hysteresis > 1
+                else None
+            ),
+        }
+        if _is_concrete(values["loss_scale"]) and float(values["loss_scale"]) > max_f:
+            raise ValueError(
+                f"loss_scale {float(values['loss_scale'])} is above max_loss_scale {max_f}; "
+                "raise max_loss_scale or start lower."
+            )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def scale(self, tree: T) -> T:
+        """Multiplies the floating leaves of `tree` (usually the loss) by the scale."""
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        """Divides the floating leaves of `tree` (usually grads) by the scale, keeping dtypes."""
+        return _unscale_tree(tree, self.loss_scale)
+
+    def adjust(self, grads_finite: Any) -> DynamicLossScale:
+        """Returns the next state given whether this step's gradients were finite.
+
+        Args:
+          grads_finite: a boolean scalar, e.g. ``mpjax.all_finite(grads)``.
+
+        Returns:
+          The new DynamicLossScale (same structure and dtypes, so jit does not retrace).
+        """
+        finite = jnp.asarray(grads_finite)
+        if finite.ndim != 0:
+            raise ValueError(
+                f"adjust expects a boolean scalar, got shape {finite.shape}; "
+                "pass mpjax.all_finite(grads)."
+            )
+        finite = finite.astype(jnp.bool_)
+        scale = self.loss_scale
+        grown = scale * jnp.float32(self.growth_factor)
+        # jmp keeps the old scale when growth overflows to inf; we also cap at the maximum.
+        grown = jnp.minimum(jnp.where(jnp.isfinite(grown), grown, scale), self.max_loss_scale)
+        on_finite = jnp.where(self.counter == self.period - 1, grown, scale)
+        if self.backoff_factor is None:
+            backed = scale / jnp.float32(self.factor)  # jmp divides; keep its rounding exactly
+        else:
+            backed = scale * jnp.float32(self.backoff_factor)
+        backed = jnp.maximum(jnp.float32(self.min_loss_scale), backed)
+        counter = jnp.where(finite, (self.counter + 1) % self.period, 0).astype(jnp.int32)
+
+        bad_steps = None
+        if self.bad_steps is not None:  # hysteresis > 1: Paddle's decr_every_n_nan_or_inf
+            bad = jnp.where(finite, 0, self.bad_steps + 1)
+            back_off_now = jnp.logical_and(jnp.logical_not(finite), bad >= self.hysteresis)
+            backed = jnp.where(back_off_now, backed, scale)
+            bad_steps = jnp.where(back_off_now, 0, bad).astype(jnp.int32)
+        new_scale = jnp.where(finite, on_finite, backed).astype(jnp.float32)
+        leaves = [new_scale, counter] + ([] if bad_steps is None else [bad_steps])
+        return _dynamic_unflatten(_dynamic_flatten(self)[1], leaves)
+
+
+def _dynamic_flatten(x: DynamicLossScale) -> tuple[list[Any], tuple]:
+    leaves = [x.loss_scale, x.counter] + ([x.bad_steps] if x.hysteresis > 1 else [])
+    return leaves, tuple(getattr(x, name) for name in _STATIC_FIELDS)
+
+
+def _dynamic_flatten_with_keys(x: DynamicLossScale) -> tuple[list[Any], tuple]:
+    leaves, aux = _dynamic_flatten(x)
+    names = ("loss_scale", "counter", "bad_steps")
+    return [(jax.tree_util.GetAttrKey(n), v) for n, v in zip(names, leaves)], aux
+
+
+def _dynamic_unflatten(aux: tuple, children: Any) -> DynamicLossScale:
+    # Bypasses __init__: after a tree_map the leaves may be tracers, ShapeDtypeStructs or None.
+    new = object.__new__(DynamicLossScale)
+    for name, value in zip(_STATIC_FIELDS, aux, strict=True):
+        object.__setattr__(new, name, value)
+    children = list(children)
+    object.__setattr__(new, "loss_scale", children[0])
+    object.__setattr__(new, "counter", children[1])
+    object.__setattr__(new, "bad_steps", children[2] if len(children) > 2 else None)
+    return new
+
+
+jax.tree_util.register_pytree_with_keys(
+    DynamicLossScale, _dynamic_flatten_with_keys, _dynamic_unflatten, flatten_func=_dynamic_flatten
+)
+
+LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Returns a boolean scalar: whether every floating leaf of `tree` is finite.
+
+    Integer and boolean leaves are always finite; an empty tree is finite (as jmp).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> bool(mpjax.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    flags = leaf_finite_flags(tree)
+    return jnp.all(flags) if flags.size else jnp.array(True)
+
+
+def leaf_finite_flags(tree: Any) -> jax.Array:
+    """Returns one boolean per floating leaf of `tree` (in tree_leaves order): all finite?"""
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_leaf(x)]
+    if not leaves:
+        return jnp.zeros([0], jnp.bool_)
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def select_tree(pred: Any, a: T, b: T) -> T:
+    """Selects tree `a` where `pred` is True, else `b` (leafwise ``lax.select``), as jmp.
+
+    Args:
+      pred: a boolean scalar.
+      a: the tree to take where `pred` holds.
+      b: a tree of the same structure, taken otherwise.
+
+    Raises:
+      AssertionError: as jmp, if `pred` is not a boolean scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> mpjax.select_tree(jnp.array(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})["x"]
+      Array([0., 0.], dtype=float32)
+    """
+    pred = jnp.asarray(pred)
+    assert pred.ndim == 0 and pred.dtype == jnp.bool_, (
+        f"expected boolean scalar, got dtype {pred.dtype} shape {pred.shape}"
+    )
+    return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)

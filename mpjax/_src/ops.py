@@ -1,0 +1,84 @@
+"""The op lists: which JAX primitives run in half, which stay in float32, which follow inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+# Matmul-like ops that gain from tensor cores: torch.amp's CUDA "lower_precision_fp" list and
+# PaddlePaddle's O1 white list, in JAX primitive names.
+LOWER_OPS: frozenset[str] = frozenset(
+    {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+)
+
+# Ops that lose accuracy or overflow in half: torch.amp's CUDA "fp32" list and Paddle's O1
+# black list. Softmax, log_softmax, logsumexp, norms, cross-entropy and MSE are built from these.
+F32_OPS: frozenset[str] = frozenset(
+    {
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "pow",
+        "rsqrt",
+        "tan",
+        "sinh",
+        "cosh",
+        "asin",
+        "acos",
+        "erf_inv",
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+    }
+)
+
+# Every other primitive mpjax knows by name; at O1 these follow their inputs (widest float wins).
+FOLLOW_OPS: frozenset[str] = frozenset(
+    {
+        "abs", "acosh", "add", "and", "argmax", "argmin", "asinh", "atan", "atan2", "atanh",
+        "bessel_i0e", "bessel_i1e", "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate",
+        "convert_element_type", "copy", "cos", "cummax", "cummin", "digamma", "div",
+        "dynamic_slice", "dynamic_update_slice", "eq", "erf", "erfc", "floor", "gather", "ge",
+        "gt", "integer_pow", "iota", "is_finite", "le", "lgamma", "logistic", "lt", "max", "min",
+        "mul", "ne", "neg", "nextafter", "not", "or", "pad", "reduce_and", "reduce_max",
+        "reduce_min", "reduce_or", "reduce_precision", "reduce_window", "reduce_window_max",
+        "reduce_window_min", "reduce_window_sum", "rem", "reshape", "rev", "round", "scatter",
+        "scatter-add", "scatter-max", "scatter-min", "scatter-mul", "select_and_gather_add",
+        "select_and_scatter_add", "select_n", "sign", "sin", "sort", "split", "sqrt", "square",
+        "squeeze", "sub", "tanh", "top_k", "transpose", "xor",
+    }
+)  # fmt: skip
+
+KNOWN_OPS: frozenset[str] = LOWER_OPS | F32_OPS | FOLLOW_OPS
+
+
+def check_op_names(names: Iterable[str], arg_name: str) -> frozenset[str]:
+    """Returns `names` as a frozenset, raising ValueError on a name that is not a known primitive.
+
+    Args:
+      names: JAX primitive names, e.g. ``{"dot_general", "exp"}``.
+      arg_name: the argument the names came from, for the error message.
+
+    Returns:
+      The names as a frozenset.
+
+    Raises:
+      TypeError: if `names` is a single string rather than a collection of names.
+      ValueError: if a name is not a JAX primitive that mpjax knows.
+    """
+    if isinstance(names, str):
+        raise TypeError(
+            f"{arg_name} must be a collection of primitive names, got the string {names!r}; "
+            f"write {arg_name}={{{names!r}}}."
+        )
+    result = frozenset(names)
+    unknown = sorted(n for n in result if n not in KNOWN_OPS)
+    if unknown:
+        raise ValueError(
+            f"Unknown op name(s) {unknown} in {arg_name}. Use JAX primitive names "
+            f"(as in jax.make_jaxpr output); valid names are: {', '.join(sorted(KNOWN_OPS))}."
+        )
+    return result

@@ -1,0 +1,459 @@
+"""Precision policies: `Policy`, the O0-O3 levels, jmp's policy grammar and the cast helpers."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpjax._src import loss_scale as loss_scale_lib
+from mpjax._src import ops
+
+T = TypeVar("T")
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+# jmp's name table, so that get_policy accepts exactly what jmp accepts.
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float16): ("f16", "float16"),
+    np.dtype(jnp.float32): ("full", "f32", "float32"),
+    np.dtype(jnp.float64): ("f64", "float64"),
+}
+_NAME_TO_DTYPE = {name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names}
+_HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+
+@functools.cache
+def _backend_half_dtype() -> np.dtype:
+    # jmp asks the device on every call; the backend cannot change within a process.
+    on_tpu = jax.local_devices()[0].platform == "tpu"
+    return np.dtype(jnp.bfloat16) if on_tpu else np.dtype(jnp.float16)
+
+
+def half_dtype() -> np.dtype:
+    """Returns the half-precision dtype for the default backend, as jmp does.
+
+    bfloat16 on TPU, float16 elsewhere (GPUs and CPU). The answer is computed once per process.
+
+    Returns:
+      ``bfloat16`` on TPU, else ``float16`` (as a NumPy dtype).
+
+    Example:
+      >>> import mpjax
+      >>> mpjax.half_dtype() in ("float16", "bfloat16")
+      True
+    """
+    return _backend_half_dtype()
+
+
+def parse_dtype(value: str) -> np.dtype:
+    """Parses jmp's dtype names ('full', 'half', 'f32', 'bf16', 'float16', ...) into a dtype.
+
+    Args:
+      value: a dtype name from jmp's grammar; surrounding spaces are ignored.
+
+    Returns:
+      The NumPy dtype the name stands for.
+
+    Raises:
+      ValueError: starting "Unknown dtype", as jmp's, for a name not in the grammar.
+
+    Example:
+      >>> import mpjax
+      >>> str(mpjax.parse_dtype("bf16"))
+      'bfloat16'
+    """
+    value = value.strip()
+    if value == "half":
+        return half_dtype()
+    try:
+        return _NAME_TO_DTYPE[value]
+    except KeyError:
+        raise ValueError(
+            f"Unknown dtype '{value}' must be full,half,float16,bfloat16 or a contraction "
+            "thereof (e.g. 'f32' for 'float32', 'bf16' for 'bfloat16')."
+        ) from None
+
+
+def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
+    """Returns `dtype` (a dtype, a scalar type or a name) as a floating NumPy dtype.
+
+    Raises:
+      ValueError: if the dtype is unknown or not a floating-point dtype.
+    """
+    if isinstance(dtype, str):
+        try:
+            result = parse_dtype(dtype)
+        except ValueError:
+            try:
+                result = np.dtype(dtype)
+            except TypeError:
+                raise ValueError(
+                    f"Unknown dtype {dtype!r} for {arg_name}: use 'float32', 'float16', "
+                    "'bfloat16' (or jmp's short names 'f32', 'f16', 'bf16', 'full', 'half')."
+                ) from None
+    else:
+        try:
+            result = np.dtype(dtype)
+        except TypeError:
+            raise ValueError(
+                f"Unknown dtype {dtype!r} for {arg_name}: pass a floating dtype such as "
+                "jnp.float32, jnp.float16 or jnp.bfloat16."
+            ) from None
+    if not jnp.issubdtype(result, jnp.floating):
+        raise ValueError(
+            f"{arg_name} must be a floating-point dtype, got {result}; mixed precision only "
+            "changes float32, float16 and bfloat16 (integers and bools are never cast)."
+        )
+    return result
+
+
+def _cast_floating_to(tree: T, dtype: Any) -> T:
+    def cast(x):
+        # As jmp: only array leaves are cast; Python scalars, ints, bools, keys, None stay as-is.
+        if isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def _check_level(level: str) -> str:
+    if not isinstance(level, str):
+        raise TypeError(f"level must be a string 'O0'..'O3', got {type(level).__name__} {level!r}.")
+    canon = level.strip().upper()
+    if canon in LEVELS:
+        return canon
+    hint = ""
+    if canon.startswith("0") and canon[1:] in ("0", "1", "2", "3"):
+        hint = f" Did you mean 'O{canon[1:]}' (the letter O, as in apex)?"
+    raise ValueError(f"Unknown level {level!r}: use one of 'O0', 'O1', 'O2', 'O3'.{hint}")
+
+
+def check_loss_scaling(value: Any) -> str | float:
+    """Validates a policy's loss-scaling choice: 'dynamic', 'none' or a positive float."""
+    if isinstance(value, str):
+        if value in ("dynamic", "none"):
+            return value
+        raise ValueError(
+            f"Unknown loss_scale {value!r}: use 'dynamic', 'none' or a positive float for a "
+            "static scale (e.g. 1024.0)."
+        )
+    return loss_scale_lib.check_scale_value(value, "loss_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A precision policy: the dtypes of params, computation and outputs, and the op lists.
+
+    Frozen and hashable, and not a pytree, so it can be a static argument of ``jax.jit``.
+    ``Policy(param_dtype, compute_dtype, output_dtype)`` is jmp's constructor; build the
+    apex-style levels with :meth:`Policy.from_level` and jmp-style strings with
+    :func:`get_policy`.
+
+    Attributes:
+      param_dtype: dtype params are stored in.
+      compute_dtype: the half (or full) dtype computation runs in.
+      output_dtype: dtype of the model's outputs.
+      level: "O0".."O3" for a level policy, None for a plain (jmp-style) one.
+      lower_ops: primitives run in ``compute_dtype`` (dot_general, conv, ...).
+      f32_ops: primitives kept in float32 (exp, log, reductions, ...).
+      keep_norm_fp32: keep normalization statistics (and BatchNorm running stats) in float32.
+      loss_scaling: 'dynamic', 'none', a float (static scale), or None to derive it: dynamic
+        when float32 params are computed in float16, none otherwise.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> policy = mpjax.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+      >>> policy.cast_to_compute({"w": jnp.ones(2)})["w"].dtype
+      dtype(bfloat16)
+      >>> str(policy)
+      'p=full,c=bf16,o=full'
+    """
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+    level: str | None = None
+    lower_ops: frozenset[str] = frozenset()
+    f32_ops: frozenset[str] = frozenset()
+    keep_norm_fp32: bool = False
+    loss_scaling: str | float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, name, canonical_float_dtype(getattr(self, name), name))
+        if self.level is not None:
+            object.__setattr__(self, "level", _check_level(self.level))
+        object.__setattr__(self, "lower_ops", ops.check_op_names(self.lower_ops, "lower_ops"))
+        object.__setattr__(self, "f32_ops", ops.check_op_names(self.f32_ops, "f32_ops"))
+        both = self.lower_ops & self.f32_ops
+        if both:
+            raise ValueError(
+                f"Ops {sorted(both)} are in both lower_ops and f32_ops; an op runs in one "
+                "precision, so list it in only one of them."
+            )
+        if self.loss_scaling is not None:
+            object.__setattr__(self, "loss_scaling", check_loss_scaling(self.loss_scaling))
+
+    # -- jmp's API ---------------------------------------------------------------------------
+
+    def cast_to_param(self, x: T) -> T:
+        """Casts the floating array leaves of `x` to `param_dtype`."""
+        return _cast_floating_to(x, self.param_dtype)
+
+    def cast_to_compute(self, x: T) -> T:
+        """Casts the floating array leaves of `x` to `compute_dtype`."""
+        return _cast_floating_to(x, self.compute_dtype)
+
+    def cast_to_output(self, x: T) -> T:
+        """Casts the floating array leaves of `x` to `output_dtype`."""
+        return _cast_floating_to(x, self.output_dtype)
+
+    def with_param_dtype(self, param_dtype: Any) -> Policy:
+        """Returns a copy with `param_dtype` replaced."""
+        return dataclasses.replace(self, param_dtype=param_dtype)
+
+    def with_compute_dtype(self, compute_dtype: Any) -> Policy:
+        """Returns a copy with `compute_dtype` replaced."""
+        return dataclasses.replace(self, compute_dtype=compute_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """Returns a copy with `output_dtype` replaced."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        # jmp's names: float32 prints as "full".
+        names = [
+            _DTYPE_NAMES.get(d, (str(d),))[0]
+            for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
+        ]
+        return "p={},c={},o={}".format(*names)
+
+    # -- levels ------------------------------------------------------------------------------
+
+    @property
+    def half(self) -> bool:
+        """True when the policy computes in float16 or bfloat16."""
+        return self.compute_dtype in _HALF_DTYPES
+
+    def loss_scale(self) -> loss_scale_lib.LossScale:
+        """Returns the loss scale this policy implies.
+
+        A ``DynamicLossScale(2**15)`` for float16 at O1/O2 (float32 params, float16 compute),
+        ``NoOpLossScale`` for bfloat16, float32 and O3, or what ``loss_scale=`` asked for.
+
+        Example:
+          >>> import mpjax
+          >>> type(mpjax.Policy.from_level("O1", "float16").loss_scale()).__name__
+          'DynamicLossScale'
+          >>> type(mpjax.Policy.from_level("O1", "bfloat16").loss_scale()).__name__
+          'NoOpLossScale'
+        """
+        kind = self.loss_scaling
+        if kind is None:
+            needs = self.compute_dtype == np.float16 and self.param_dtype == np.float32
+            kind = "dynamic" if needs else "none"
+        if kind == "dynamic":
+            return loss_scale_lib.DynamicLossScale(np.float32(2.0**15))
+        if kind == "none":
+            return loss_scale_lib.NoOpLossScale()
+        return loss_scale_lib.StaticLossScale(kind)
+
+    @classmethod
+    def from_level(
+        cls,
+        level: str,
+        half_dtype: Any = None,
+        *,
+        lower_ops: Any = (),
+        f32_ops: Any = (),
+        keep_norm_fp32: bool | None = None,
+        master_weights: bool | None = None,
+        loss_scale: str | float | None = None,
+    ) -> Policy:
+        """Builds the policy of an apex/PaddlePaddle/MindSpore optimization level.
+
+        ====== ============== ============================================== =========
+        level  params         compute                                        output
+        ====== ============== ============================================== =========
+        O0     float32        float32                                        float32
+        O1     float32        dot/conv in half, f32 list in float32, rest    float32
+                              follows its inputs
+        O2     float32 master everything in half but the f32 list and norms  float32
+        O3     half           everything in half                             half
+        ====== ============== ============================================== =========
+
+        Args:
+          level: "O0", "O1", "O2" or "O3" (the letter O, as apex).
+          half_dtype: "float16"/"bfloat16" (or a dtype); defaults to :func:`half_dtype`.
+          lower_ops: extra primitives to run in half (removed from the float32 list).
+          f32_ops: extra primitives to keep in float32 (removed from the half list).
+          keep_norm_fp32: keep normalization statistics in float32 (default: True but at O3).
+          master_weights: O2/O3 only: True stores float32 params, False stores half params.
+          loss_scale: "dynamic", "none", or a positive float for a static scale. Default:
+            dynamic where float32 params are computed in float16 (O1, O2), none otherwise
+            (bfloat16 needs no scaling; O3 has no float32 copy to protect).
+
+        Returns:
+          The policy.
+
+        Raises:
+          ValueError: for an unknown level, dtype or op name, or an override that means
+            nothing at that level (apex raises likewise), e.g. ``master_weights`` at O1.
+
+        Example:
+          >>> import mpjax
+          >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
+          >>> str(policy), "exp" in policy.f32_ops, policy.keep_norm_fp32
+          ('p=full,c=bf16,o=full', True, True)
+        """
+        level = _check_level(level)
+        half = (
+            canonical_float_dtype(half_dtype, "half_dtype")
+            if half_dtype is not None
+            else _backend_half_dtype()
+        )
+        if half not in _HALF_DTYPES:
+            raise ValueError(
+                f"half_dtype must be float16 or bfloat16, got {half}; for full precision use "
+                "level 'O0'."
+            )
+        lower_extra = ops.check_op_names(lower_ops, "lower_ops")
+        f32_extra = ops.check_op_names(f32_ops, "f32_ops")
+        f32 = np.dtype(np.float32)
+
+        def reject(what: str, why: str) -> None:
+            raise ValueError(f"{what} makes no sense at {level}: {why}")
+
+        if level == "O0":
+            for what, value in [
+                ("lower_ops", lower_extra),
+                ("f32_ops", f32_extra),
+                ("master_weights", master_weights),
+            ]:
+                if value:
+                    reject(what, "O0 runs everything in float32. Pick O1 or O2 to use half.")
+            if keep_norm_fp32 is False:
+                reject("keep_norm_fp32=False", "O0 runs everything in float32.")
+            return cls(f32, f32, f32, level="O0", keep_norm_fp32=True, loss_scaling=loss_scale)
+
+        if level == "O1" and master_weights is not None:
+            reject(
+                "master_weights",
+                "O1 already stores float32 params and casts per op; use O2 for float32 master "
+                "weights with half compute.",
+            )
+        if level == "O3" and lower_extra:
+            reject("lower_ops", "O3 already runs every op in half.")
+
+        lower_default = ops.LOWER_OPS
+        f32_default = frozenset() if level == "O3" else ops.F32_OPS
+        if level == "O3":
+            param = f32 if master_weights else half
+            output = half
+        else:
+            param = half if master_weights is False else f32
+            output = f32
+        if keep_norm_fp32 is None:
+            keep_norm_fp32 = level != "O3"
+        return cls(
+            param,
+            half,
+            output,
+            level=level,
+            lower_ops=(lower_default | lower_extra) - f32_extra,
+            f32_ops=(f32_default | f32_extra) - lower_extra,
+            keep_norm_fp32=bool(keep_norm_fp32),
+            loss_scaling=loss_scale,
+        )
+
+
+def get_policy(policy_name: str) -> Policy:
+    """Parses a policy from jmp's string grammar (and the level names "O0".."O3").
+
+    ``"c=f16"`` gives float32 params and float16 compute and output; ``"p=f16,c=bf16"`` gives
+    float16 params and bfloat16 compute and output; a bare dtype (``"half"``) sets all three.
+    Keys are ``p``/``params``, ``c``/``compute``, ``o``/``output``; unspecified params are
+    float32, compute follows params and output follows compute. Unlike jmp, spaces around
+    ``,`` and ``=`` are allowed.
+
+    Args:
+      policy_name: the spec string.
+
+    Returns:
+      The policy (a level policy for "O0".."O3").
+
+    Raises:
+      ValueError: "Unknown dtype ..." for a bad dtype name (as jmp), or a message naming the
+        bad key or part.
+
+    Example:
+      >>> import mpjax
+      >>> str(mpjax.get_policy("p=f32, c=bf16"))
+      'p=full,c=bf16,o=bf16'
+    """
+    if not isinstance(policy_name, str):
+        raise TypeError(
+            f"get_policy takes a string such as 'p=f32,c=bf16', got "
+            f"{type(policy_name).__name__}; build a Policy(...) directly from dtypes instead."
+        )
+    if policy_name.strip().upper() in LEVELS:
+        return Policy.from_level(policy_name)
+    param_dtype: np.dtype = np.dtype(np.float32)
+    compute_dtype = output_dtype = None
+    if "=" in policy_name:
+        for part in policy_name.split(","):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or "=" in value:
+                raise ValueError(
+                    f"Bad part {part.strip()!r} in {policy_name!r}: each part is key=dtype, "
+                    "e.g. 'p=f32,c=bf16,o=f32'."
+                )
+            dtype = parse_dtype(value)
+            if key in ("p", "params"):
+                param_dtype = dtype
+            elif key in ("c", "compute"):
+                compute_dtype = dtype
+            elif key in ("o", "output"):
+                output_dtype = dtype
+            else:
+                raise ValueError(
+                    f"Unknown key '{key}' in '{policy_name}' should be 'params', 'compute' "
+                    "or 'output'."
+                )
+        if compute_dtype is None:
+            compute_dtype = param_dtype
+        if output_dtype is None:
+            output_dtype = compute_dtype
+    else:
+        param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
+    return Policy(param_dtype, compute_dtype, output_dtype)
+
+
+def cast_to_full(tree: T) -> T:
+    """Casts the floating array leaves of `tree` to float32 (jmp's ``cast_to_full``).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> mpjax.cast_to_full(jnp.ones(2, jnp.float16)).dtype
+      dtype('float32')
+    """
+    return _cast_floating_to(tree, jnp.float32)
+
+
+def cast_to_half(tree: T) -> T:
+    """Casts the floating array leaves of `tree` to :func:`half_dtype` (jmp's ``cast_to_half``).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> mpjax.cast_to_half(jnp.ones(2)).dtype == mpjax.half_dtype()
+      True
+    """
+    return _cast_floating_to(tree, half_dtype())

@@ -1,0 +1,249 @@
+"""Loss scaling as an optax transformation: `loss_scale`, its state, `get_loss_scale` and
+`loss_scale_metrics`."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mpjax._src import loss_scale as ls_lib
+
+
+class LossScaleState(NamedTuple):
+    """State of :func:`loss_scale`.
+
+    Attributes:
+      loss_scale: the current loss scale (a NoOp, Static or DynamicLossScale pytree).
+      skipped_steps: int32, non-finite steps skipped since init.
+      consecutive_skips: int32, non-finite steps skipped in a row up to now.
+      last_finite: bool, whether the last step's gradients were finite.
+      inner_state: the wrapped optimizer's state (``optax.EmptyState()`` in the chain form).
+    """
+
+    loss_scale: ls_lib.LossScale
+    skipped_steps: jax.Array
+    consecutive_skips: jax.Array
+    last_finite: jax.Array
+    inner_state: optax.OptState
+
+
+def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs | None:
+    if inner is None:
+        return None
+    if isinstance(inner, optax.GradientTransformation):
+        return optax.with_extra_args_support(inner)
+    if isinstance(inner, (int, float)) or isinstance(inner, ls_lib.LOSS_SCALE_TYPES):
+        raise TypeError(
+            f"loss_scale(inner) takes an optax GradientTransformation, got {inner!r}. To set "
+            "the scale, pass it by keyword: mpjax.loss_scale(scale=mpjax.StaticLossScale(1024.0))."
+        )
+    if callable(inner):
+        name = getattr(inner, "__name__", repr(inner))
+        raise TypeError(
+            f"loss_scale(inner) takes an optax GradientTransformation, got the function {name}; "
+            f"call it first, e.g. mpjax.loss_scale(optax.{name}(1e-3))."
+        )
+    raise TypeError(
+        f"loss_scale(inner) takes an optax GradientTransformation (e.g. optax.adam(1e-3)), "
+        f"got {type(inner).__name__}."
+    )
+
+
+def _check_has_floats(tree: Any, what: str) -> None:
+    if not any(ls_lib._is_float_leaf(x) for x in jax.tree_util.tree_leaves(tree)):
+        raise ValueError(
+            f"loss_scale(): {what} has no floating-point arrays, so there is nothing to scale or "
+            "check. Pass the model's float parameters/gradients (integer leaves are left alone)."
+        )
+
+
+def loss_scale(
+    inner: optax.GradientTransformation | None = None,
+    *,
+    scale: ls_lib.LossScale | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Loss scaling as an optax transformation: unscale, check finite, skip, adjust.
+
+    The incoming gradients are those of the *scaled* loss (``scale.scale(loss)``, with the
+    scale from :func:`get_loss_scale`). Each update unscales them with the scale that produced
+    them, checks that every float leaf is finite, adjusts the scale, and on a non-finite step
+    emits zero updates (``-0.0``, so ``params + update`` is bit-identical to ``params``).
+
+    Two forms:
+
+    * chain form, ``optax.chain(mpjax.loss_scale(), optax.sgd(0.1))``: transformations after
+      it see unscaled gradients (clip them there). On a skipped step they see zeros: exact for
+      stateless transforms such as sgd, but a stateful one (adam, momentum) still advances its
+      state with zero gradients, so its params may move. Use the wrap form for those.
+    * wrap form, ``mpjax.loss_scale(optax.adam(1e-3))``: on a skipped step the inner
+      optimizer is not run, its state stays bit-identical, and the updates are zeros (as
+      ``optax.apply_if_finite``).
+
+    For gradient accumulation wrap ``optax.MultiSteps``: ``mpjax.loss_scale(optax.MultiSteps(
+    optax.adam(1e-3), k))`` skips an overflowing microbatch without poisoning the accumulator
+    (plain MultiSteps keeps a NaN forever, since ``0 * nan = nan``).
+
+    Args:
+      inner: optional optimizer to wrap (the wrap form); None for the chain form.
+      scale: initial loss scale; default ``DynamicLossScale(2.0**15)``. Use
+        ``policy.loss_scale()`` for the one a policy implies (none for bfloat16).
+
+    Returns:
+      An optax ``GradientTransformationExtraArgs`` whose state is a :class:`LossScaleState`.
+
+    Raises:
+      TypeError: if `inner` is not a GradientTransformation or `scale` not a loss scale.
+
+    References:
+      Micikevicius et al., 2018, "Mixed Precision Training", https://arxiv.org/abs/1710.03740
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, mpjax
+      >>> tx = optax.chain(mpjax.loss_scale(), optax.sgd(0.1))
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> scale = mpjax.get_loss_scale(state)
+      >>> grads = jax.grad(lambda p: scale.scale(jnp.sum(p["w"] ** 2)))(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"]
+      Array([-0.2, -0.2, -0.2], dtype=float32)
+    """
+    inner_tx = _check_inner(inner)
+    if scale is None:
+        scale = ls_lib.DynamicLossScale(jnp.float32(2.0**15))
+    if not isinstance(scale, ls_lib.LOSS_SCALE_TYPES):
+        raise TypeError(
+            f"scale must be a NoOpLossScale, StaticLossScale or DynamicLossScale, got "
+            f"{scale!r}; e.g. scale=mpjax.DynamicLossScale(2.0**15) or scale=policy.loss_scale()."
+        )
+    initial_scale = scale
+
+    def init(params: optax.Params) -> LossScaleState:
+        _check_has_floats(params, "params")
+        return LossScaleState(
+            loss_scale=initial_scale,
+            skipped_steps=jnp.zeros([], jnp.int32),
+            consecutive_skips=jnp.zeros([], jnp.int32),
+            last_finite=jnp.array(True),
+            inner_state=optax.EmptyState() if inner_tx is None else inner_tx.init(params),
+        )
+
+    def update(
+        updates: optax.Updates,
+        state: LossScaleState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LossScaleState]:
+        if not isinstance(state, LossScaleState):
+            raise TypeError(
+                f"loss_scale().update got a state of type {type(state).__name__}; pass the state "
+                "that this transformation's init returned."
+            )
+        _check_has_floats(updates, "the gradient tree")
+        # Unscale with the scale that produced these gradients, then adjust (jmp users often
+        # adjust first and unscale with the new scale, which is off by the factor).
+        grads = state.loss_scale.unscale(updates)
+        finite = ls_lib.all_finite(grads)
+        new_scale = state.loss_scale.adjust(finite)
+
+        if inner_tx is None:
+            new_updates, inner_state = grads, state.inner_state
+        else:
+
+            def accept(_: Any) -> tuple[optax.Updates, optax.OptState]:
+                return inner_tx.update(grads, state.inner_state, params, **extra_args)
+
+            def reject(_: Any) -> tuple[optax.Updates, optax.OptState]:
+                # Zeros and the untouched inner state, in the dtypes the inner update returns.
+                shapes = jax.eval_shape(accept, None)
+                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
+                kept = jax.tree_util.tree_map(
+                    lambda x, s: jnp.asarray(x, s.dtype), state.inner_state, shapes[1]
+                )
+                return zeros, kept
+
+            new_updates, inner_state = jax.lax.cond(finite, accept, reject, None)
+
+        def mask(u: Any) -> Any:
+            # -0.0, not 0.0: p + (-0.0) == p bitwise for every p, including p == -0.0.
+            return jnp.where(finite, u, jnp.full_like(u, -0.0)) if ls_lib._is_float_leaf(u) else u
+
+        return jax.tree_util.tree_map(mask, new_updates), LossScaleState(
+            loss_scale=new_scale,
+            skipped_steps=jnp.where(
+                finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+            ),
+            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
+            last_finite=finite,
+            inner_state=inner_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _find_states(opt_state: Any) -> list[LossScaleState]:
+    def is_state(x: Any) -> bool:
+        return isinstance(x, LossScaleState)
+
+    return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
+
+
+def _the_state(opt_state: Any, caller: str) -> LossScaleState:
+    found = _find_states(opt_state)
+    if not found:
+        raise ValueError(
+            f"{caller}: opt_state holds no mpjax.loss_scale() state. Build the optimizer with "
+            "optax.chain(mpjax.loss_scale(), ...) or mpjax.loss_scale(inner) and pass the state "
+            "its init returned."
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"{caller}: opt_state holds {len(found)} mpjax.loss_scale() states; use one "
+            "loss_scale() per optimizer (or pass the sub-state you mean)."
+        )
+    return found[0]
+
+
+def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
+    """Returns the current loss scale from anywhere in an optimizer state.
+
+    Finds the one :class:`LossScaleState` in a nested state (``optax.chain``, the wrap form,
+    ``optax.inject_hyperparams``, ``optax.MultiSteps``, ...). Works inside ``jax.jit``.
+
+    Raises:
+      ValueError: if the state holds no loss-scale state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax
+      >>> state = optax.chain(mpjax.loss_scale(), optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> float(mpjax.get_loss_scale(state).loss_scale)
+      32768.0
+    """
+    return _the_state(opt_state, "get_loss_scale").loss_scale
+
+
+def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
+    """Returns scalars for logging: scale, skipped steps, consecutive skips, last step finite.
+
+    Jittable. Keys: ``loss_scale`` (float32), ``skipped_steps`` (int32),
+    ``consecutive_skips`` (int32), ``last_step_finite`` (bool).
+
+    Raises:
+      ValueError: if the state holds no loss-scale state, or more than one.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax
+      >>> state = optax.chain(mpjax.loss_scale(), optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> sorted(mpjax.loss_scale_metrics(state))
+      ['consecutive_skips', 'last_step_finite', 'loss_scale', 'skipped_steps']
+    """
+    state = _the_state(opt_state, "loss_scale_metrics")
+    return {
+        "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
+        "skipped_steps": state.skipped_steps,
+        "consecutive_skips": state.consecutive_skips,
+        "last_step_finite": state.last_finite,
+    }
