@@ -55,7 +55,7 @@ def check_scale_value(value: Any, name: str) -> float:
 
 def _wide(x: Any) -> Any:
     # Promote explicitly (works under jax_numpy_dtype_promotion="strict"): half -> float32.
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
 
 
 def _scale_tree(tree: T, factor: Any) -> T:

@@ -82,3 +82,13 @@ def check_op_names(names: Iterable[str], arg_name: str) -> frozenset[str]:
             f"(as in jax.make_jaxpr output); valid names are: {', '.join(sorted(KNOWN_OPS))}."
         )
     return result
+
+
+def check_disjoint(lower_ops: frozenset[str], f32_ops: frozenset[str]) -> None:
+    """Raises ValueError if an op is asked to run both in half and in float32."""
+    both = lower_ops & f32_ops
+    if both:
+        raise ValueError(
+            f"Ops {sorted(both)} are in both lower_ops and f32_ops; an op runs in one "
+            "precision, so list it in only one of them."
+        )

@@ -192,12 +192,7 @@ class Policy:
             object.__setattr__(self, "level", _check_level(self.level))
         object.__setattr__(self, "lower_ops", ops.check_op_names(self.lower_ops, "lower_ops"))
         object.__setattr__(self, "f32_ops", ops.check_op_names(self.f32_ops, "f32_ops"))
-        both = self.lower_ops & self.f32_ops
-        if both:
-            raise ValueError(
-                f"Ops {sorted(both)} are in both lower_ops and f32_ops; an op runs in one "
-                "precision, so list it in only one of them."
-            )
+        ops.check_disjoint(self.lower_ops, self.f32_ops)
         if self.loss_scaling is not None:
             object.__setattr__(self, "loss_scaling", check_loss_scaling(self.loss_scaling))
 
@@ -326,6 +321,7 @@ class Policy:
             )
         lower_extra = ops.check_op_names(lower_ops, "lower_ops")
         f32_extra = ops.check_op_names(f32_ops, "f32_ops")
+        ops.check_disjoint(lower_extra, f32_extra)
         f32 = np.dtype(np.float32)
 
         def reject(what: str, why: str) -> None:

@@ -1,0 +1,415 @@
+"""Tests of the loss-scale pytrees against jmp, torch's GradScaler and plain reference models."""
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+from conftest import assert_trees_bit_identical
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mpjax
+
+# -- plain reference models, written out as the peers document them ---------------------------
+
+
+def jmp_reference(scale, steps, period=2000, factor=2.0, min_scale=1.0, max_scale=np.inf):
+    """jmp's docstring rule, plus mpjax's cap, in float32."""
+    scale, counter, out = np.float32(scale), 0, []
+    for finite in steps:
+        if finite:
+            counter += 1
+            if counter == period:
+                counter = 0
+                grown = np.float32(scale * np.float32(factor))
+                scale = min(grown, np.float32(max_scale)) if np.isfinite(grown) else scale
+        else:
+            counter = 0
+            scale = max(np.float32(min_scale), np.float32(scale / np.float32(factor)))
+        out.append((float(scale), counter))
+    return out
+
+
+def torch_reference(scale, steps, growth=2.0, backoff=0.5, interval=2000):
+    """torch's _amp_update_scale_: no minimum, growth skipped when it overflows."""
+    scale, tracker, out = np.float32(scale), 0, []
+    for finite in steps:
+        if not finite:
+            scale, tracker = np.float32(scale * np.float32(backoff)), 0
+        else:
+            tracker += 1
+            if tracker == interval:
+                grown = np.float32(scale * np.float32(growth))
+                scale = grown if np.isfinite(grown) else scale
+                tracker = 0
+        out.append(float(scale))
+    return out
+
+
+def paddle_reference(scale, steps, incr_every, decr_every, incr=2.0, decr=0.5, min_scale=1.0):
+    """Paddle's update_loss_scaling kernel (good/bad step counters)."""
+    scale, good, bad, out = np.float32(scale), 0, 0, []
+    for finite in steps:
+        if not finite:
+            good, bad = 0, bad + 1
+            if bad == decr_every:
+                scale = max(np.float32(min_scale), np.float32(scale * np.float32(decr)))
+                bad = 0
+        else:
+            bad, good = 0, good + 1
+            if good == incr_every:
+                grown = np.float32(scale * np.float32(incr))
+                scale = grown if np.isfinite(grown) else scale
+                good = 0
+        out.append((float(scale), good, bad))
+    return out
+
+
+def run(scale, steps, jit=False):
+    adjust = jax.jit(lambda s, f: s.adjust(f)) if jit else (lambda s, f: s.adjust(f))
+    out = []
+    for finite in steps:
+        scale = adjust(scale, jnp.asarray(finite))
+        out.append(scale)
+    return out
+
+
+def random_steps(rng, n, p_overflow):
+    return [bool(x) for x in rng.random(n) > p_overflow]
+
+
+# -- jmp parity ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("period, factor", [(1, 2), (3, 2), (5, 3), (2, 1.5)])
+def test_dynamic_matches_jmp(rng, period, factor, jit):
+    steps = random_steps(rng, 60, 0.3)
+    ours = run(
+        mpjax.DynamicLossScale(2.0**10, period=period, factor=factor, max_loss_scale=np.inf),
+        steps,
+        jit,
+    )
+    with jax.numpy_dtype_promotion("standard"):  # jmp mixes int32 and bool
+        theirs = run(
+            jmp.DynamicLossScale(jnp.float32(2.0**10), period=period, factor=factor), steps, jit
+        )
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert float(a.loss_scale) == float(b.loss_scale), f"step {i}"
+        assert int(a.counter) == int(b.counter), f"step {i}"
+    ref = jmp_reference(2.0**10, steps, period, factor)
+    assert [int(s.counter) for s in ours] == [c for _, c in ref]
+    # XLA may turn "/ 3" into "* (1/3)" under jit, so only powers of two are exact here.
+    rel = 0 if factor == 2 else 1e-6
+    assert [float(s.loss_scale) for s in ours] == pytest.approx([v for v, _ in ref], rel=rel)
+
+
+def test_dynamic_defaults_and_fields_match_jmp():
+    ours, theirs = mpjax.DynamicLossScale(2.0**15), jmp.DynamicLossScale(jnp.float32(2.0**15))
+    assert (ours.period, ours.factor) == (theirs.period, theirs.factor) == (2000, 2)
+    assert ours.min_loss_scale == float(theirs.min_loss_scale) == 1.0
+    assert int(ours.counter) == int(theirs.counter) == 0
+    assert ours.counter.dtype == theirs.counter.dtype == np.int32
+    # Positional arguments in jmp's order.
+    pos = mpjax.DynamicLossScale(4.0, 3, 10, 4, 2.0)
+    assert (float(pos.loss_scale), int(pos.counter), pos.period, pos.factor) == (4.0, 3, 10, 4)
+    assert pos.min_loss_scale == 2.0
+
+
+@pytest.mark.parametrize("cls", ["StaticLossScale", "DynamicLossScale", "NoOpLossScale"])
+def test_scale_and_unscale_match_jmp_on_float32(rng, cls):
+    args = () if cls == "NoOpLossScale" else (2.0**12,)
+    ours = getattr(mpjax, cls)(*args)
+    theirs = getattr(jmp, cls)(*[jnp.float32(a) for a in args])
+    tree = {"a": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32), "b": jnp.float32(rng.normal())}
+    for f in ("scale", "unscale"):
+        a, b = getattr(ours, f)(tree), getattr(theirs, f)(tree)
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert float(ours.loss_scale) == float(theirs.loss_scale)
+
+
+def test_scale_promotes_half_losses_and_unscale_keeps_grad_dtypes(rng):
+    ls = mpjax.DynamicLossScale(2.0**15)
+    loss = jnp.asarray(rng.uniform(2.0, 3.0), jnp.float16)  # loss * 2**15 overflows float16
+    scaled = ls.scale(loss)
+    assert scaled.dtype == np.float32 and np.isfinite(float(scaled))
+    grads = {
+        "h": jnp.asarray(rng.normal(size=4) * 2.0**15, jnp.float16),
+        "b": jnp.asarray(rng.normal(size=4) * 2.0**15, jnp.bfloat16),
+        "f": jnp.asarray(rng.normal(size=4) * 2.0**15, jnp.float32),
+        "i": jnp.arange(4),
+    }
+    out = ls.unscale(grads)
+    for k in grads:
+        assert out[k].dtype == grads[k].dtype, k
+    np.testing.assert_array_equal(np.asarray(out["i"]), np.arange(4))
+    for k in ("h", "b", "f"):
+        ref = np.asarray(grads[k], np.float64) / 2.0**15
+        np.testing.assert_allclose(np.asarray(out[k], np.float64), ref, rtol=2**-7)
+
+
+# -- pytree behaviour --------------------------------------------------------------------------
+
+
+def test_pytree_shape_is_jmps():
+    assert jax.tree_util.tree_leaves(mpjax.NoOpLossScale()) == []
+    assert jax.tree_util.tree_leaves(mpjax.StaticLossScale(8.0)) == []
+    leaves = jax.tree_util.tree_leaves(mpjax.DynamicLossScale(8.0))
+    theirs = jax.tree_util.tree_leaves(jmp.DynamicLossScale(jnp.float32(8.0)))
+    assert [(x.shape, x.dtype) for x in leaves] == [(x.shape, x.dtype) for x in theirs]
+    # Optional state only when the knob is on.
+    assert len(jax.tree_util.tree_leaves(mpjax.DynamicLossScale(8.0, hysteresis=3))) == 3
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
+        mpjax.DynamicLossScale(8.0, hysteresis=2))]
+    assert paths == [".loss_scale", ".counter", ".bad_steps"]
+
+
+KNOBS = dict(
+    period=7,
+    min_loss_scale=0.5,
+    growth_factor=4.0,
+    backoff_factor=0.25,
+    hysteresis=2,
+    max_loss_scale=2.0**20,
+)
+
+
+def static_fields(ls):
+    return tuple(getattr(ls, k) for k in ("period", "factor", *KNOBS))
+
+
+def test_every_field_survives_tree_map_jit_lower_trace_vmap_and_pickle():
+    ls = mpjax.DynamicLossScale(2.0**10, **KNOBS)
+    want = static_fields(ls)
+    assert static_fields(jax.tree_util.tree_map(lambda x: x, ls)) == want
+    assert static_fields(jax.jit(lambda s: s)(ls)) == want
+    assert static_fields(jax.jit(lambda s: s.adjust(jnp.array(False)))(ls)) == want
+    lowered = jax.jit(lambda s: s.adjust(jnp.array(True))).lower(ls)  # jmp 0.0.4 fails here
+    assert static_fields(lowered.compile()(ls)) == want
+    traced = jax.jit(lambda s: s.adjust(jnp.array(True))).trace(ls)
+    assert static_fields(traced.lower().compile()(ls)) == want
+    batch = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), ls)
+    out = jax.vmap(lambda s, f: s.adjust(f))(batch, jnp.array([True, False]))
+    assert static_fields(out) == want
+    np.testing.assert_array_equal(np.asarray(out.loss_scale), [2.0**10, 2.0**10])  # hysteresis
+    np.testing.assert_array_equal(np.asarray(out.bad_steps), [0, 1])
+    restored = pickle.loads(pickle.dumps(ls))
+    assert static_fields(restored) == want
+    assert_trees_bit_identical(restored, ls)
+    # ShapeDtypeStruct leaves (as jax.eval_shape and checkpoint restore produce) are fine too.
+    shapes = jax.eval_shape(lambda s: s.adjust(jnp.array(True)), ls)
+    assert static_fields(shapes) == want and shapes.loss_scale.dtype == np.float32
+
+
+def test_min_loss_scale_survives_jit_where_jmp_loses_it():
+    ours = jax.jit(lambda s: s)(mpjax.DynamicLossScale(4.0, min_loss_scale=2.0))
+    theirs = jax.jit(lambda s: s)(
+        jmp.DynamicLossScale(jnp.float32(4.0), min_loss_scale=jnp.float32(2.0))
+    )
+    assert ours.min_loss_scale == 2.0
+    assert float(theirs.min_loss_scale) == 1.0  # jmp's bug: reset to the default
+    for _ in range(3):
+        ours = ours.adjust(jnp.array(False))
+    assert float(ours.loss_scale) == 2.0
+
+
+def test_a_changing_scale_never_retraces():
+    traces = []
+
+    @jax.jit
+    def step(ls, finite):
+        traces.append(1)
+        return ls.adjust(finite)
+
+    ls = mpjax.DynamicLossScale(2.0**15, period=1)
+    seen = set()
+    for finite in [True, True, False, True, False, False, True]:
+        ls = step(ls, jnp.asarray(finite))
+        seen.add(float(ls.loss_scale))
+    assert len(seen) > 2 and len(traces) == 1
+
+
+def test_float16_scale_argument_is_kept_in_float32():
+    ls = mpjax.DynamicLossScale(jnp.float16(2.0**15), period=1)
+    assert ls.loss_scale.dtype == np.float32
+    ls = ls.adjust(jnp.array(True))  # 2**16 overflows float16, not float32
+    assert float(ls.loss_scale) == 2.0**16 and ls.loss_scale.dtype == np.float32
+    static = mpjax.StaticLossScale(jnp.float16(1024.0))
+    assert static.loss_scale == 1024.0
+
+
+def test_growth_is_capped_so_the_scale_is_never_inf():
+    ls = mpjax.DynamicLossScale(2.0**20, period=1)
+    for _ in range(10):
+        ls = ls.adjust(jnp.array(True))
+    assert float(ls.loss_scale) == 2.0**24  # apex's cap
+    ls = mpjax.DynamicLossScale(2.0**126, period=1, max_loss_scale=np.inf)
+    for _ in range(5):
+        ls = jax.jit(lambda s: s.adjust(jnp.array(True)))(ls)
+        assert np.isfinite(float(ls.loss_scale))
+    assert float(ls.loss_scale) == 2.0**127
+
+
+# -- torch GradScaler --------------------------------------------------------------------------
+
+TORCH_LIKE = dict(period=2000, growth_factor=2.0, backoff_factor=0.5, min_loss_scale=2.0**-30)
+
+
+def test_torch_configuration_follows_gradscaler_reference(rng):
+    steps = random_steps(rng, 3000, 0.0005) + [False] * 20 + [True] * 2500
+    ls = mpjax.DynamicLossScale(2.0**16, **TORCH_LIKE, max_loss_scale=np.inf)
+    step = jax.jit(lambda s, f: s.adjust(f))
+    ours = []
+    for finite in steps:
+        ls = step(ls, jnp.asarray(finite))
+        ours.append(float(ls.loss_scale))
+    assert ours == torch_reference(2.0**16, steps)
+
+
+def test_torch_configuration_matches_torch_gradscaler(rng):
+    torch = pytest.importorskip("torch")
+    steps = random_steps(rng, 40, 0.25) + [True] * 7 + [False] * 3
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=5)
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.1)
+    ls = mpjax.DynamicLossScale(2.0**16, **{**TORCH_LIKE, "period": 5}, max_loss_scale=np.inf)
+    for i, finite in enumerate(steps):
+        opt.zero_grad()
+        scaler.scale(param.sum()).backward()
+        if not finite:
+            param.grad[1] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        ls = ls.adjust(jnp.asarray(finite))
+        assert float(ls.loss_scale) == scaler.get_scale(), f"step {i}"
+        assert int(ls.counter) == int(scaler._get_growth_tracker()), f"step {i}"
+
+
+# -- hysteresis (Paddle's decr_every_n_nan_or_inf) ----------------------------------------------
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 4])
+def test_hysteresis_follows_paddle(rng, hysteresis):
+    steps = random_steps(rng, 200, 0.4)
+    ls = mpjax.DynamicLossScale(
+        2.0**12,
+        period=3,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        hysteresis=hysteresis,
+        max_loss_scale=np.inf,  # Paddle has no cap
+    )
+    ref = paddle_reference(2.0**12, steps, incr_every=3, decr_every=hysteresis)
+    for i, (out, (scale, good, bad)) in enumerate(zip(run(ls, steps, jit=True), ref)):
+        assert float(out.loss_scale) == scale, f"step {i}"
+        assert int(out.counter) == good, f"step {i}"
+        if hysteresis > 1:
+            assert int(out.bad_steps) == bad, f"step {i}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(st.booleans(), min_size=1, max_size=80),
+    period=st.integers(1, 6),
+    hysteresis=st.integers(1, 3),
+    min_exp=st.integers(-2, 4),
+    max_exp=st.integers(5, 14),
+)
+def test_property_dynamic_follows_reference(steps, period, hysteresis, min_exp, max_exp):
+    ls = mpjax.DynamicLossScale(
+        2.0**5,
+        period=period,
+        min_loss_scale=2.0**min_exp,
+        max_loss_scale=2.0**max_exp,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        hysteresis=hysteresis,
+    )
+    ref = paddle_reference(2.0**5, steps, period, hysteresis, min_scale=2.0**min_exp)
+    for out, (scale, _, _) in zip(run(ls, steps), ref):
+        expect = min(scale, 2.0**max_exp) if hysteresis == 1 else None
+        value = float(out.loss_scale)
+        assert 2.0**min_exp <= value <= 2.0**max_exp
+        if expect is not None and max_exp >= 5 + len(steps):  # cap never reached
+            assert value == expect
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def test_all_finite_matches_jmp(rng):
+    good = {"a": jnp.asarray(rng.normal(size=3), jnp.float32), "b": [jnp.float16(1.5)]}
+    for bad_value in (np.inf, -np.inf, np.nan):
+        bad = {"a": good["a"].at[1].set(bad_value), "b": good["b"]}
+        assert bool(mpjax.all_finite(bad)) is bool(jmp.all_finite(bad)) is False
+    assert bool(mpjax.all_finite(good)) is bool(jmp.all_finite(good)) is True
+    assert bool(mpjax.all_finite({})) is bool(jmp.all_finite({})) is True
+    # Integer leaves are finite by definition (jmp would run isfinite on them too).
+    assert bool(mpjax.all_finite({"i": jnp.arange(3), "f": good["a"]}))
+    assert bool(jax.jit(mpjax.all_finite)(good))
+
+
+def test_select_tree_matches_jmp(rng):
+    a = {"x": jnp.asarray(rng.normal(size=3), jnp.float32), "i": jnp.arange(3)}
+    b = jax.tree_util.tree_map(lambda x: x + 1, a)
+    for pred in (True, False):
+        ours = mpjax.select_tree(jnp.array(pred), a, b)
+        theirs = jmp.select_tree(jnp.array(pred), a, b)
+        assert_trees_bit_identical(ours, theirs)
+    with pytest.raises(AssertionError, match="boolean scalar"):
+        mpjax.select_tree(jnp.array([True, False]), a, b)
+    with pytest.raises(AssertionError, match="boolean scalar"):
+        mpjax.select_tree(jnp.array(1), a, b)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [mpjax.StaticLossScale, mpjax.DynamicLossScale])
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (1024, TypeError, "must be a float, got the int 1024; write loss_scale=1024.0"),
+        (jnp.int32(8), TypeError, "must be a float"),
+        (True, TypeError, "must be a float"),
+        (float("inf"), ValueError, "positive finite"),
+        (float("nan"), ValueError, "positive finite"),
+        (0.0, ValueError, "positive finite"),
+        (-1.0, ValueError, "positive finite"),
+        ("big", TypeError, "must be a float"),
+    ],
+)
+def test_bad_scale_values(cls, value, error, match):
+    with pytest.raises(error, match=match):
+        cls(value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"growth_factor": 1.0}, "growth factor must be > 1"),
+        ({"factor": 1}, "growth factor must be > 1"),
+        ({"growth_factor": 0.5}, "growth factor must be > 1"),
+        ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"period": 0}, "period must be an int >= 1"),
+        ({"period": 2.5}, "period must be an int >= 1"),
+        ({"hysteresis": 0}, "hysteresis must be an int >= 1"),
+        ({"min_loss_scale": 0.0}, "min_loss_scale must be a positive"),
+        ({"max_loss_scale": 0.5}, "must be >= min_loss_scale"),
+        ({"max_loss_scale": 2.0**10}, "above max_loss_scale"),
+    ],
+)
+def test_bad_dynamic_knobs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mpjax.DynamicLossScale(2.0**15, **kwargs)
+
+
+def test_adjust_needs_a_scalar():
+    with pytest.raises(ValueError, match="boolean scalar.*all_finite"):
+        mpjax.DynamicLossScale(2.0).adjust(jnp.array([True, True]))
