@@ -1,10 +1,8 @@
-"""Test configuration: strict dtype promotion catches silent upcasts (as equinox's tests do)."""
+"""Shared test helpers."""
 
 import jax
 import numpy as np
 import pytest
-
-jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
 @pytest.fixture
@@ -16,7 +14,11 @@ def rng():
 def bits(x):
     """The raw bits of an array, so that equality means bit-identical (-0.0 != 0.0, nan == nan)."""
     x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.kind == "f" or x.dtype.name == "bfloat16" else x
+    return (
+        x.view(np.dtype(f"u{x.dtype.itemsize}"))
+        if x.dtype.kind == "f" or x.dtype.name == "bfloat16"
+        else x
+    )
 
 
 def assert_trees_bit_identical(a, b):

@@ -93,10 +93,9 @@ def test_dynamic_matches_jmp(rng, period, factor, jit):
         steps,
         jit,
     )
-    with jax.numpy_dtype_promotion("standard"):  # jmp mixes int32 and bool
-        theirs = run(
-            jmp.DynamicLossScale(jnp.float32(2.0**10), period=period, factor=factor), steps, jit
-        )
+    theirs = run(
+        jmp.DynamicLossScale(jnp.float32(2.0**10), period=period, factor=factor), steps, jit
+    )
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert float(a.loss_scale) == float(b.loss_scale), f"step {i}"
         assert int(a.counter) == int(b.counter), f"step {i}"
@@ -139,7 +138,7 @@ def test_scale_promotes_half_losses_and_unscale_keeps_grad_dtypes(rng):
     scaled = ls.scale(loss)
     assert scaled.dtype == np.float32 and np.isfinite(float(scaled))
     grads = {
-        "h": jnp.asarray(rng.normal(size=4) * 2.0**15, jnp.float16),
+        "h": jnp.asarray(rng.normal(size=4) * 2.0**10, jnp.float16),
         "b": jnp.asarray(rng.normal(size=4) * 2.0**15, jnp.bfloat16),
         "f": jnp.asarray(rng.normal(size=4) * 2.0**15, jnp.float32),
         "i": jnp.arange(4),
@@ -164,8 +163,10 @@ def test_pytree_shape_is_jmps():
     assert [(x.shape, x.dtype) for x in leaves] == [(x.shape, x.dtype) for x in theirs]
     # Optional state only when the knob is on.
     assert len(jax.tree_util.tree_leaves(mpjax.DynamicLossScale(8.0, hysteresis=3))) == 3
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-        mpjax.DynamicLossScale(8.0, hysteresis=2))]
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(mpjax.DynamicLossScale(8.0, hysteresis=2))
+    ]
     assert paths == [".loss_scale", ".counter", ".bad_steps"]
 
 
@@ -413,3 +414,24 @@ def test_bad_dynamic_knobs(kwargs, match):
 def test_adjust_needs_a_scalar():
     with pytest.raises(ValueError, match="boolean scalar.*all_finite"):
         mpjax.DynamicLossScale(2.0).adjust(jnp.array([True, True]))
+
+
+def test_no_silent_upcasts_under_strict_dtype_promotion():
+    # Strict promotion (as equinox's tests use) turns any implicit int/float or half/float32
+    # mix in mpjax's own arithmetic into an error. jmp fails this; optax's adam does too.
+    with jax.numpy_dtype_promotion("strict"):
+        for ls in (
+            mpjax.DynamicLossScale(2.0**15, hysteresis=2, backoff_factor=0.5),
+            mpjax.DynamicLossScale(2.0**15),
+            mpjax.StaticLossScale(8.0),
+        ):
+            tree = {
+                "h": jnp.ones(3, jnp.float16),
+                "b": jnp.ones(2, jnp.bfloat16),
+                "i": jnp.arange(2),
+            }
+            assert ls.scale(tree)["h"].dtype == np.float32
+            assert ls.unscale(tree)["b"].dtype == jnp.bfloat16
+            for finite in (True, False):
+                ls = jax.jit(lambda s, f: s.adjust(f))(ls, jnp.asarray(finite))
+        assert bool(mpjax.all_finite(tree))

@@ -16,7 +16,9 @@ HALVES = {"float16": F16, "bfloat16": BF16}
 
 
 def test_import_mpjax_pulls_in_no_flax_torch_or_jmp():
-    code = "import sys, mpjax; print(sorted(m for m in ('flax', 'torch', 'jmp') if m in sys.modules))"
+    code = (
+        "import sys, mpjax; print(sorted(m for m in ('flax', 'torch', 'jmp') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -277,7 +279,11 @@ def test_get_policy_bad_key(spec):
 
 @pytest.mark.parametrize(
     "spaced, plain",
-    [(" p = f32 , c = bf16 ", "p=f32,c=bf16"), ("c= f16,o =f32", "c=f16,o=f32"), (" half ", "half")],
+    [
+        (" p = f32 , c = bf16 ", "p=f32,c=bf16"),
+        ("c= f16,o =f32", "c=f16,o=f32"),
+        (" half ", "half"),
+    ],
 )
 def test_get_policy_accepts_spaces_that_jmp_rejects(spaced, plain):
     assert mpjax.get_policy(spaced) == mpjax.get_policy(plain)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, TypeVar, Union
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -257,11 +257,15 @@ class DynamicLossScale:
         if not (math.isfinite(min_f) and min_f > 0):
             raise ValueError(f"min_loss_scale must be a positive finite number, got {min_f}.")
         if not max_f >= min_f:
+            raise ValueError(f"max_loss_scale ({max_f}) must be >= min_loss_scale ({min_f}).")
+        scale_f32 = jnp.asarray(loss_scale, jnp.float32)
+        if _is_concrete(scale_f32) and float(scale_f32) > max_f:
             raise ValueError(
-                f"max_loss_scale ({max_f}) must be >= min_loss_scale ({min_f})."
+                f"loss_scale {float(scale_f32)} is above max_loss_scale {max_f}; "
+                "raise max_loss_scale or start lower."
             )
         values = {
-            "loss_scale": jnp.asarray(loss_scale, jnp.float32),
+            "loss_scale": scale_f32,
             "counter": jnp.asarray(0 if counter is None else counter, jnp.int32),
             "period": int(period),
             "factor": factor,
@@ -276,11 +280,6 @@ class DynamicLossScale:
                 else None
             ),
         }
-        if _is_concrete(values["loss_scale"]) and float(values["loss_scale"]) > max_f:
-            raise ValueError(
-                f"loss_scale {float(values['loss_scale'])} is above max_loss_scale {max_f}; "
-                "raise max_loss_scale or start lower."
-            )
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -358,7 +357,7 @@ jax.tree_util.register_pytree_with_keys(
     DynamicLossScale, _dynamic_flatten_with_keys, _dynamic_unflatten, flatten_func=_dynamic_flatten
 )
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 
 

@@ -35,6 +35,8 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs | None:
         return None
     if isinstance(inner, optax.GradientTransformation):
         return optax.with_extra_args_support(inner)
+    if isinstance(inner, optax.MultiSteps):
+        return optax.with_extra_args_support(inner.gradient_transformation())
     if isinstance(inner, (int, float)) or isinstance(inner, ls_lib.LOSS_SCALE_TYPES):
         raise TypeError(
             f"loss_scale(inner) takes an optax GradientTransformation, got {inner!r}. To set "

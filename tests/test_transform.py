@@ -1,0 +1,374 @@
+"""Tests of loss scaling as an optax transformation: skipping, unscaling, both forms, metrics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_bit_identical
+
+import mpjax
+
+LEVELS = ["O0", "O1", "O2", "O3"]
+HALVES = ["float16", "bfloat16"]
+
+
+def init_mlp(key, sizes=(8, 16, 4), dtype=jnp.float32):
+    params = {}
+    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
+        key, sub = jax.random.split(key)
+        params[f"layer{i}"] = {
+            "w": (jax.random.normal(sub, (n_in, n_out)) / np.sqrt(n_in)).astype(dtype),
+            "b": jnp.zeros((n_out,), dtype),
+        }
+    return params
+
+
+def mlp(params, x, policy):
+    """An MLP run under a policy: compute in compute_dtype, the loss side in float32."""
+    params, x = policy.cast_to_compute((params, x))
+    for i in range(len(params)):
+        layer = params[f"layer{i}"]
+        x = x @ layer["w"] + layer["b"]
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return policy.cast_to_output(x)
+
+
+def mse(out, y):
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+def data(key, n=32):
+    kx, ky = jax.random.split(key)
+    return jax.random.normal(kx, (n, 8)), jax.random.normal(ky, (n, 4))
+
+
+def make_step(tx, policy):
+    @jax.jit
+    def train_step(params, opt_state, x, y, inject):
+        scale = mpjax.get_loss_scale(opt_state)
+
+        def loss_fn(p):
+            return scale.scale(mse(mlp(p, x, policy), y))
+
+        grads = jax.grad(loss_fn)(params)
+        # Fault injection: multiply one leaf by inject (1.0, inf or nan).
+        grads["layer0"]["w"] = grads["layer0"]["w"] * inject.astype(grads["layer0"]["w"].dtype)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step
+
+
+def test_design_card_train_step_trains():
+    policy = mpjax.Policy.from_level("O1")
+    tx = optax.chain(mpjax.loss_scale(), optax.sgd(0.05))
+    params = policy.cast_to_param(init_mlp(jax.random.key(0)))
+    opt_state = tx.init(params)
+    x, y = data(jax.random.key(1))
+    step = make_step(tx, policy)
+    first = float(mse(mlp(params, x, policy), y))
+    for _ in range(100):
+        params, opt_state = step(params, opt_state, x, y, jnp.float32(1.0))
+    last = float(mse(mlp(params, x, policy), y))
+    assert last < 0.8 * first
+    metrics = mpjax.loss_scale_metrics(opt_state)
+    assert int(metrics["skipped_steps"]) == 0 and bool(metrics["last_step_finite"])
+
+
+@pytest.mark.parametrize("form", ["chain", "wrap"])
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_injected_overflow_skips_exactly_those_steps(level, half, form):
+    policy = mpjax.Policy.from_level(level, half)
+    scale = mpjax.DynamicLossScale(2.0**10, period=3)
+    if form == "chain":
+        tx = optax.chain(mpjax.loss_scale(scale=scale), optax.sgd(0.05))
+    else:
+        # Stateful, so the inner state's bit-identity is checked. (Not adam: at O3 its eps
+        # underflows in float16 and its updates become inf from finite gradients.)
+        tx = mpjax.loss_scale(optax.sgd(0.05, momentum=0.9), scale=scale)
+    params = policy.cast_to_param(init_mlp(jax.random.key(0)))
+    opt_state = tx.init(params)
+    x, y = data(jax.random.key(1))
+    step = make_step(tx, policy)
+    bad_steps = {2: np.inf, 3: np.nan, 9: -np.inf, 15: np.inf}
+    expected_scale, counter = 2.0**10, 0
+    for i in range(20):
+        before, state_before = params, opt_state
+        params, opt_state = step(params, opt_state, x, y, jnp.float32(bad_steps.get(i, 1.0)))
+        assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree_util.tree_leaves(params))
+        metrics = mpjax.loss_scale_metrics(opt_state)
+        if i in bad_steps:
+            assert_trees_bit_identical(params, before)
+            if form == "wrap":
+                assert_trees_bit_identical(opt_state.inner_state, state_before.inner_state)
+            expected_scale, counter = max(1.0, expected_scale / 2), 0
+            assert not bool(metrics["last_step_finite"])
+        else:
+            assert bool(metrics["last_step_finite"])
+            changed = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), params, before)
+            assert any(jax.tree_util.tree_leaves(changed)), f"step {i} did not update"
+            counter += 1
+            if counter == 3:
+                expected_scale, counter = expected_scale * 2, 0
+        assert float(metrics["loss_scale"]) == expected_scale, f"step {i}"
+    assert int(metrics["skipped_steps"]) == len(bad_steps)
+    assert int(metrics["consecutive_skips"]) == 0
+
+
+def test_consecutive_skips_and_metrics_under_jit():
+    tx = optax.chain(mpjax.loss_scale(), optax.sgd(0.1))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    bad = {"w": jnp.array([1.0, jnp.nan, 1.0])}
+    update = jax.jit(tx.update)
+    for _ in range(3):
+        _, state = update(bad, state, params)
+    metrics = jax.jit(mpjax.loss_scale_metrics)(state)
+    assert int(metrics["consecutive_skips"]) == 3 and int(metrics["skipped_steps"]) == 3
+    assert float(metrics["loss_scale"]) == 2.0**12
+    _, state = update({"w": jnp.ones(3)}, state, params)
+    metrics = mpjax.loss_scale_metrics(state)
+    assert int(metrics["consecutive_skips"]) == 0 and int(metrics["skipped_steps"]) == 3
+    assert {k: v.dtype for k, v in metrics.items()} == {
+        "loss_scale": np.float32,
+        "skipped_steps": np.int32,
+        "consecutive_skips": np.int32,
+        "last_step_finite": np.bool_,
+    }
+
+
+def test_skipped_updates_are_negative_zero_so_params_keep_their_sign_bits():
+    params = {"w": jnp.array([-0.0, 0.0, 1.0, -2.5])}
+    grads = {"w": jnp.array([jnp.inf, 1.0, 1.0, 1.0])}
+    # Wrap form, and the chain form with nothing after it: p + (-0.0) is p for every p.
+    # (A transform after the chain form that negates, like sgd, turns -0.0 into +0.0, and
+    # -0.0 + 0.0 is +0.0: there only params equal to -0.0 lose their sign bit.)
+    for tx in (mpjax.loss_scale(optax.sgd(0.1)), mpjax.loss_scale()):
+        updates, _ = tx.update(grads, tx.init(params), params)
+        assert_trees_bit_identical(optax.apply_updates(params, updates), params)
+
+
+@pytest.mark.parametrize("period", [1, 2])
+def test_updates_equal_the_true_gradients_with_the_scale_that_made_them(rng, period):
+    # With period=1 the scale doubles at every step: unscaling with the adjusted scale would
+    # halve every update.
+    w = jnp.asarray(rng.normal(size=5), jnp.float32)
+    target = jnp.asarray(rng.normal(size=5), jnp.float32)
+
+    def loss(p):
+        return jnp.sum((p["w"] - target) ** 2)
+
+    tx = optax.chain(mpjax.loss_scale(scale=mpjax.DynamicLossScale(2.0**4, period=period)))
+    params = {"w": w}
+    state = tx.init(params)
+    for _ in range(4):
+        scale = mpjax.get_loss_scale(state)
+        grads = jax.grad(lambda p: scale.scale(loss(p)))(params)
+        updates, state = tx.update(grads, state, params)
+        true = jax.grad(loss)(params)
+        np.testing.assert_allclose(np.asarray(updates["w"]), np.asarray(true["w"]), rtol=1e-6)
+
+
+def test_clipping_after_it_sees_unscaled_gradients(rng):
+    params = {"a": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32), "b": jnp.float32(0.7)}
+    true_grads = {"a": jnp.asarray(rng.normal(size=(4, 3)) * 3, jnp.float32), "b": jnp.float32(2)}
+    scale = mpjax.StaticLossScale(2.0**12)
+    tx = optax.chain(mpjax.loss_scale(scale=scale), optax.clip_by_global_norm(1.0))
+    updates, _ = tx.update(scale.scale(true_grads), tx.init(params), params)
+    ref, _ = optax.clip_by_global_norm(1.0).update(true_grads, optax.EmptyState())
+    for k in params:
+        np.testing.assert_allclose(np.asarray(updates[k]), np.asarray(ref[k]), rtol=1e-6)
+    assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_wrap_form_keeps_adam_state_bit_identical_while_chain_form_advances_it():
+    params = {"w": jnp.ones(3), "b": jnp.full((2,), 0.5)}
+    grads = {"w": jnp.array([0.1, 0.2, 0.3]), "b": jnp.array([0.4, -0.5])}
+    bad = {"w": jnp.array([0.1, jnp.inf, 0.3]), "b": jnp.array([0.4, -0.5])}
+    wrap = mpjax.loss_scale(optax.adam(1e-2), scale=mpjax.NoOpLossScale())
+    chain = optax.chain(mpjax.loss_scale(scale=mpjax.NoOpLossScale()), optax.adam(1e-2))
+    for tx in (wrap, chain):
+        state = tx.init(params)
+        _, state = tx.update(grads, state, params)  # one good step: adam has momentum now
+        updates, new_state = tx.update(bad, state, params)
+        if tx is wrap:
+            assert_trees_bit_identical(new_state.inner_state, state.inner_state)
+            assert_trees_bit_identical(optax.apply_updates(params, updates), params)
+        else:
+            # Documented: a stateful transform after the chain form sees zero gradients and
+            # still advances (adam's count and moments), so params may move.
+            assert int(new_state[1][0].count) == int(state[1][0].count) + 1
+            assert bool(jnp.any(updates["w"] != 0))
+
+
+def test_state_structure_and_dtypes_are_stable_and_a_changing_scale_never_retraces():
+    policy = mpjax.Policy.from_level("O2", "float16")
+    tx = mpjax.loss_scale(optax.adamw(1e-3), scale=mpjax.DynamicLossScale(2.0**4, period=1))
+    params = policy.cast_to_param(init_mlp(jax.random.key(0)))
+    opt_state = tx.init(params)
+    x, y = data(jax.random.key(1))
+    traces = []
+
+    @jax.jit
+    def step(params, opt_state, inject):
+        traces.append(1)
+        return make_step(tx, policy).__wrapped__(params, opt_state, x, y, inject)
+
+    def signature(tree):
+        return jax.tree_util.tree_structure(tree), [
+            (np.shape(v), np.asarray(v).dtype) for v in jax.tree_util.tree_leaves(tree)
+        ]
+
+    want = signature((params, opt_state))
+    scales = set()
+    for i in range(6):
+        params, opt_state = step(params, opt_state, jnp.float32(np.inf if i == 3 else 1.0))
+        assert signature((params, opt_state)) == want
+        scales.add(float(mpjax.get_loss_scale(opt_state).loss_scale))
+    assert len(scales) > 3 and len(traces) == 1
+
+
+def test_half_params_and_grads_keep_their_dtype_through_the_update():
+    policy = mpjax.Policy.from_level("O3", "float16")
+    tx = mpjax.loss_scale(optax.sgd(0.1), scale=mpjax.DynamicLossScale(2.0**8))
+    params = policy.cast_to_param(init_mlp(jax.random.key(0)))
+    x, y = data(jax.random.key(1))
+    state = tx.init(params)
+    new, _ = make_step(tx, policy)(params, state, x, y, jnp.float32(1.0))
+    for leaf in jax.tree_util.tree_leaves(new):
+        assert leaf.dtype == np.float16
+
+
+# -- gradient accumulation ---------------------------------------------------------------------
+
+
+def test_plain_multisteps_is_poisoned_by_one_nan_microbatch():
+    tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2)
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    for g in ([jnp.nan, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]):
+        updates, state = tx.update({"w": jnp.array(g)}, state, params)
+        params = optax.apply_updates(params, updates)
+    assert not bool(jnp.all(jnp.isfinite(params["w"])))  # the trap mpjax's pattern avoids
+
+
+def test_accumulation_pattern_skips_an_overflowing_microbatch_only(rng):
+    k = 3
+    tx = mpjax.loss_scale(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k))
+    ref_tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=k)
+    params = {"w": jnp.asarray(rng.normal(size=4), jnp.float32)}
+    ref_params = params
+    state, ref_state = tx.init(params), ref_tx.init(params)
+    micro = [jnp.asarray(rng.normal(size=4), jnp.float32) for _ in range(12)]
+    update = jax.jit(tx.update)
+    for i, g in enumerate(micro):
+        scale = mpjax.get_loss_scale(state)
+        if i == 4:  # an overflowing microbatch, skipped: the next good one takes its place
+            bad = scale.scale({"w": g.at[0].set(jnp.inf)})
+            updates, state = update(bad, state, params)
+            params = optax.apply_updates(params, updates)
+            scale = mpjax.get_loss_scale(state)  # backed off: the next loss uses the new scale
+        updates, state = update(scale.scale({"w": g}), state, params)
+        params = optax.apply_updates(params, updates)
+        ref_updates, ref_state = ref_tx.update({"w": g}, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, ref_updates)
+    np.testing.assert_allclose(np.asarray(params["w"]), np.asarray(ref_params["w"]), rtol=1e-6)
+    assert int(mpjax.loss_scale_metrics(state)["skipped_steps"]) == 1
+    assert bool(jnp.all(jnp.isfinite(params["w"])))
+
+
+# -- finding the state -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.chain(mpjax.loss_scale(), optax.sgd(0.1)),
+        lambda: mpjax.loss_scale(optax.adam(1e-3)),
+        lambda: optax.chain(optax.trace(0.9), optax.chain(mpjax.loss_scale(), optax.sgd(0.1))),
+        lambda: optax.inject_hyperparams(
+            lambda learning_rate: optax.chain(mpjax.loss_scale(), optax.sgd(learning_rate))
+        )(learning_rate=0.1),
+        lambda: optax.MultiSteps(optax.chain(mpjax.loss_scale(), optax.sgd(0.1)), 2),
+        lambda: mpjax.loss_scale(optax.MultiSteps(optax.sgd(0.1), 2)),
+    ],
+    ids=["chain", "wrap", "nested-chain", "inject_hyperparams", "multisteps-outside", "wrap-multi"],
+)
+def test_get_loss_scale_finds_the_state_anywhere(make):
+    tx = make()
+    params = {"w": jnp.ones(2)}
+    state = tx.init(params)
+    assert float(mpjax.get_loss_scale(state).loss_scale) == 2.0**15
+    update = jax.jit(tx.update)
+    for _ in range(2):  # two microbatches, so MultiSteps outside calls its inner once
+        _, state = update({"w": jnp.full((2,), jnp.inf)}, state, params)
+    skipped = int(mpjax.loss_scale_metrics(state)["skipped_steps"])
+    assert skipped in (1, 2)
+    assert float(jax.jit(mpjax.get_loss_scale)(state).loss_scale) == 2.0 ** (15 - skipped)
+
+
+def test_get_loss_scale_errors_clearly():
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match="holds no mpjax.loss_scale\\(\\) state.*optax.chain"):
+        mpjax.get_loss_scale(optax.adam(1e-3).init(params))
+    two = optax.chain(mpjax.loss_scale(), mpjax.loss_scale(optax.sgd(0.1))).init(params)
+    with pytest.raises(ValueError, match="holds 2 mpjax.loss_scale\\(\\) states"):
+        mpjax.loss_scale_metrics(two)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "inner, match",
+    [
+        (optax.adam, "the function adam; call it first"),
+        (2.0**15, "pass it by keyword"),
+        (mpjax.StaticLossScale(8.0), "pass it by keyword"),
+        ("adam", "takes an optax GradientTransformation"),
+    ],
+)
+def test_loss_scale_rejects_a_bad_inner(inner, match):
+    with pytest.raises(TypeError, match=match):
+        mpjax.loss_scale(inner)
+
+
+@pytest.mark.parametrize("scale", [2.0**15, "dynamic", jnp.float32(8.0)])
+def test_loss_scale_rejects_a_bad_scale(scale):
+    with pytest.raises(TypeError, match="scale must be a NoOpLossScale"):
+        mpjax.loss_scale(scale=scale)
+
+
+def test_a_tree_with_no_floats_is_an_error():
+    tx = optax.chain(mpjax.loss_scale(), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="params has no floating-point arrays"):
+        tx.init({"steps": jnp.arange(3)})
+    state = tx.init({"w": jnp.ones(2)})
+    with pytest.raises(ValueError, match="gradient tree has no floating-point arrays"):
+        tx.update({"w": jnp.arange(2)}, state)
+    with pytest.raises(TypeError, match="pass the state"):
+        mpjax.loss_scale().update({"w": jnp.ones(2)}, optax.EmptyState())
+
+
+def test_integer_leaves_pass_through_untouched():
+    tx = mpjax.loss_scale(scale=mpjax.StaticLossScale(4.0))
+    params = {"w": jnp.ones(2), "step": jnp.array(3)}
+    grads = {"w": jnp.full((2,), 8.0), "step": jnp.array(5)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert updates["step"].dtype == np.int32 and int(updates["step"]) == 5
+    np.testing.assert_array_equal(np.asarray(updates["w"]), [2.0, 2.0])
+
+
+def test_chain_form_makes_no_silent_upcasts_under_strict_promotion():
+    with jax.numpy_dtype_promotion("strict"):
+        tx = mpjax.loss_scale(scale=mpjax.DynamicLossScale(2.0**4, period=1))
+        params = {"h": jnp.ones(3, jnp.float16), "f": jnp.ones(2), "i": jnp.arange(2)}
+        state = tx.init(params)
+        for g in (1.0, np.inf):
+            grads = {"h": jnp.full((3,), g, jnp.float16), "f": jnp.ones(2), "i": jnp.arange(2)}
+            updates, state = jax.jit(tx.update)(grads, state, params)
+            assert updates["h"].dtype == np.float16
+        assert int(mpjax.loss_scale_metrics(state)["skipped_steps"]) == 1
