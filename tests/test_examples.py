@@ -1,0 +1,22 @@
+"""The flagship example trains every level to O0's accuracy (short run)."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+
+
+@pytest.mark.slow
+def test_train_digits_levels_match_o0_accuracy(tmp_path):
+    train_digits = pytest.importorskip("train_digits")
+    results = train_digits.main(["--epochs", "8", "--no-bar", "--out", str(tmp_path)])
+    assert len(results) == 7
+    acc = {r["run"]: r["test_accuracy"] for r in results}
+    assert acc["O0 float32"] > 0.93
+    for run in ("O1 float16", "O1 bfloat16", "O2 float16", "O2 bfloat16"):
+        assert abs(acc[run] - acc["O0 float32"]) <= 0.01, run
+    assert all(r["skipped_steps"] == 0 for r in results)
+    assert (tmp_path / "digits_loss.png").stat().st_size > 10_000
+    assert results[1]["final_loss_scale"] == 2.0**15  # O1 float16 runs a dynamic scale

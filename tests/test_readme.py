@@ -1,0 +1,34 @@
+"""The README's Python blocks run as written, and its commands match .ci/run."""
+
+import pathlib
+import re
+
+import jax
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def python_blocks():
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def test_quickstart_runs_and_trains(capsys):
+    namespace: dict = {}
+    exec(compile(python_blocks()[0], "README quickstart", "exec"), namespace)
+    metrics = namespace["mpjax"].loss_scale_metrics(namespace["opt_state"])
+    assert int(metrics["skipped_steps"]) == 0 and bool(metrics["last_step_finite"])
+    params = namespace["params"]
+    assert {v.dtype for v in jax.tree_util.tree_leaves(params)} == {np.dtype("float32")}
+    assert "loss_scale" in capsys.readouterr().out
+
+
+def test_level_examples_run():
+    exec(compile("import mpjax\n" + python_blocks()[1], "README levels", "exec"), {})
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
+    test_command = next(c for c in commands if "pytest" in c)
+    assert test_command.strip() in (ROOT / ".ci" / "run").read_text()
