@@ -372,3 +372,18 @@ def test_chain_form_makes_no_silent_upcasts_under_strict_promotion():
             updates, state = jax.jit(tx.update)(grads, state, params)
             assert updates["h"].dtype == np.float16
         assert int(mpjax.loss_scale_metrics(state)["skipped_steps"]) == 1
+
+
+@pytest.mark.parametrize(
+    "scale",
+    [mpjax.StaticLossScale(0.5), mpjax.DynamicLossScale(0.5, min_loss_scale=0.25)],
+    ids=["static", "dynamic"],
+)
+def test_a_scale_below_one_that_overflows_on_unscale_is_skipped(scale):
+    # 40000 is finite in float16; divided by 0.5 it is 80000, which is not.
+    tx = mpjax.loss_scale(optax.sgd(0.1), scale=scale)
+    params = {"h": jnp.ones(2, jnp.float16)}
+    grads = {"h": jnp.array([40000.0, 1.0], jnp.float16)}
+    updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert not bool(state.last_finite)
+    assert_trees_bit_identical(optax.apply_updates(params, updates), params)
