@@ -4,6 +4,7 @@ Precision policies and the O0-O3 levels, loss scales as pytrees, and loss scalin
 transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp's.
 """
 
+from mpjax._src.autocast import autocast, full_precision, half_precision
 from mpjax._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -42,6 +43,9 @@ __all__ = (
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "autocast",
+    "full_precision",
+    "half_precision",
     "cast_to_full",
     "cast_to_half",
     "get_loss_scale",

@@ -1,0 +1,376 @@
+"""Op-level autocast: trace a function to a jaxpr and evaluate it again, casting per op.
+
+Lower-list ops (dot_general, conv) get half operands, f32-list ops (exp, log, reductions) get
+float32 operands, and the rest follow their inputs at O1 (widest float wins, as torch's
+promote list) or run in half at O2/O3. Regions marked with :func:`full_precision` or
+:func:`half_precision` (``jax.named_scope`` markers, so they survive jit, grad and vmap)
+override the policy, as do per-module rules of the Flax wrappers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jax_core
+from jax._src import source_info_util
+from jax._src.lax import lax as lax_internal
+
+from mpjax._src import ops
+from mpjax._src.policy import Policy
+
+_MARKER = re.compile(r"mpjax:([A-Za-z0-9_]+)")
+F32_REGION, HALF_REGION = "f32", "half"
+UNTOUCHED_SCOPE = "mpjax_untouched"
+
+# Calls inlined into the surrounding evaluation.
+_INLINE_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+}
+# Higher-order primitives rebuilt with autocast sub-jaxprs whose boundary dtypes are unchanged,
+# so custom differentiation rules and loop-carry types stay valid.
+_SUBJAXPR_PARAMS = {
+    "custom_jvp_call": ("call_jaxpr",),
+    "custom_vjp_call": ("call_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "scan": ("jaxpr",),
+    "while": ("cond_jaxpr", "body_jaxpr"),
+    "cond": ("branches",),
+    "shard_map": ("jaxpr",),
+}
+# Ops that take operands of unrelated dtypes and pass them through.
+_PASS_OPS = frozenset(
+    {"device_put", "optimization_barrier", "sharding_constraint", "copy", "copy_p",
+     "stop_gradient", "pvary", "reshard", "mesh_cast", "name"}
+)  # fmt: skip
+# Ops whose meaning depends on the bit width: always run in their traced dtype.
+_TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+
+
+@contextlib.contextmanager
+def _scope(marker: str) -> Iterator[None]:
+    with jax.named_scope(f"mpjax:{marker}"):
+        yield
+
+
+def full_precision() -> contextlib.AbstractContextManager[None]:
+    """Keeps a region in float32 under :func:`autocast` (torch's nested ``autocast(False)``).
+
+    Use as a context manager or a decorator. Outside autocast it changes nothing.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax
+      >>> def f(x):
+      ...     with mpjax.full_precision():
+      ...         return jnp.exp(x @ x)
+      >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
+      >>> mpjax.autocast(f, policy)(jnp.ones((2, 2))).dtype
+      dtype('float32')
+    """
+    return _scope(F32_REGION)
+
+
+def half_precision() -> contextlib.AbstractContextManager[None]:
+    """Forces a region into the policy's half dtype under :func:`autocast` (f32 list included).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> @mpjax.half_precision()
+      ... def g(x):
+      ...     return jnp.exp(x)
+      >>> policy = mpjax.Policy.from_level("O2", "bfloat16").with_output_dtype("bfloat16")
+      >>> mpjax.autocast(g, policy)(jnp.ones(2)).dtype
+      dtype(bfloat16)
+    """
+    return _scope(HALF_REGION)
+
+
+def _is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _widest(dtypes: list[np.dtype]) -> np.dtype:
+    best = dtypes[0]
+    for d in dtypes[1:]:
+        if d == best:
+            continue
+        if np.dtype(d).itemsize > np.dtype(best).itemsize:
+            best = d
+        elif np.dtype(d).itemsize == np.dtype(best).itemsize:
+            best = np.dtype(np.float32)  # float16 meets bfloat16: neither holds the other
+    return np.dtype(best)
+
+
+def _cast(x: Any, dtype: np.dtype, weak_type: bool = False) -> Any:
+    if x.dtype == dtype and not weak_type:
+        return x
+    return lax_internal._convert_element_type(x, np.dtype(dtype), weak_type)
+
+
+class _Context:
+    """What the evaluation needs: the region policies by marker, and the base policy."""
+
+    def __init__(self, policy: Policy, rules: Mapping[str, Policy]):
+        self.policy = policy
+        self.by_marker = {
+            F32_REGION: "f32",
+            HALF_REGION: "half",
+            **{k: v for k, v in rules.items()},
+        }
+
+    def mode_for(self, inherited: Any, name_stack: str) -> Any:
+        markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker]
+        return self.by_marker[markers[-1]] if markers else inherited
+
+
+def _target_dtype(
+    name: str, eqn: Any, vals: list[Any], mode: Any, base: Policy, held: list[bool]
+) -> tuple[Any, bool]:
+    """The dtype float operands are cast to (None: leave them) and whether the result is held
+    in float32 (an f32-list result, or computed only from such results)."""
+    traced = [v.aval.dtype for v in eqn.invars if _is_float(v.aval.dtype)]
+    if not traced or name in _PASS_OPS:
+        return None, False
+    full = _widest([*traced, np.dtype(np.float32)])
+    if name in _TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
+        return "traced", False  # unknown primitive: never wrong, only slower
+    if mode == "f32":
+        return full, True
+    if mode == "half":
+        return base.compute_dtype, False
+    policy: Policy = mode
+    if policy.level == "O0" or not policy.half:
+        return full, False
+    if name in policy.f32_ops:
+        return full, True
+    if name in policy.lower_ops:
+        return policy.compute_dtype, False
+    # Weak-typed operands and literals (Python scalars in the source) do not promote, as in jnp.
+    floats = [
+        (np.dtype(x.dtype), isinstance(v, jax_core.Literal) or v.aval.weak_type, h)
+        for x, v, h in zip(vals, eqn.invars, held, strict=True)
+        if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
+    ]
+    strong = [f for f in floats if not f[1]] or floats
+    if policy.level == "O1":
+        return (_widest([d for d, _, _ in strong]), False) if strong else (None, False)
+    if strong and all(h for _, _, h in strong):
+        # O2: what an f32-list op produced stays float32 until it meets a half value, so
+        # softmax, logsumexp and the loss are float32 from end to end (torch.amp alike).
+        return None, True
+    return policy.compute_dtype, False
+
+
+def _fix_params(name: str, params: dict[str, Any], target: Any) -> dict[str, Any]:
+    pref = params.get("preferred_element_type")
+    if pref is not None and _is_float(pref) and target is not None:
+        params = {**params, "preferred_element_type": np.dtype(target)}
+    return params
+
+
+def _read(env: dict, v: Any) -> Any:
+    return v.val if isinstance(v, jax_core.Literal) else env[v]
+
+
+def _eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], ctx: _Context, mode: Any) -> list:
+    env: dict[Any, Any] = {}
+    held: set[Any] = set()  # vars whose values are held in float32 (see _target_dtype)
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
+        invals = [_read(env, v) for v in eqn.invars]
+        in_held = [not isinstance(v, jax_core.Literal) and v in held for v in eqn.invars]
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+            with eqn.ctx.manager:
+                outvals, hold = _eval_eqn(eqn, invals, ctx, eqn_mode, in_held)
+        if not eqn.primitive.multiple_results:
+            outvals = [outvals]
+        for v, x in zip(eqn.outvars, outvals, strict=True):
+            if not isinstance(v, jax_core.DropVar):
+                env[v] = x
+                if hold:
+                    held.add(v)
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
+    out = []
+    for x, aval in zip(vals, avals, strict=True):
+        if hasattr(x, "dtype") and _is_float(x.dtype) and x.dtype != aval.dtype:
+            x = _cast(x, aval.dtype, getattr(aval, "weak_type", False))
+        out.append(x)
+    return out
+
+
+def _rebuild_closed(closed: Any, ctx: _Context, mode: Any) -> Any:
+    """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
+
+    def body(*args: Any) -> list[Any]:
+        outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx, mode)
+        return _to_traced(outs, closed.out_avals)
+
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+        for a in closed.in_avals
+    ]
+    return jax.make_jaxpr(body)(*specs)
+
+
+def _rebuild_param(value: Any, ctx: _Context, mode: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_rebuild_param(v, ctx, mode) for v in value)
+    if isinstance(value, jax_core.ClosedJaxpr):
+        return _rebuild_closed(value, ctx, mode)
+    if isinstance(value, jax_core.Jaxpr):
+        if value.constvars:
+            raise NotImplementedError("open jaxpr with constvars")
+        rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode)
+        if rebuilt.consts:
+            raise NotImplementedError("rebuilt jaxpr captured constants")
+        return rebuilt.jaxpr
+    return value
+
+
+def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> Any:
+    return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+
+
+def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
+    # Marked in the HLO metadata so that the audit can show where autocast stood aside.
+    with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}"):
+        return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
+
+
+def _eval_eqn(
+    eqn: Any, invals: list[Any], ctx: _Context, mode: Any, in_held: list[bool]
+) -> tuple[Any, bool]:
+    name = eqn.primitive.name
+    if name in _INLINE_CALLS:
+        closed = eqn.params[_INLINE_CALLS[name]]
+        return _eval_jaxpr(closed.jaxpr, list(closed.consts), invals, ctx, mode), False
+    if name in _SUBJAXPR_PARAMS:
+        try:
+            params = dict(eqn.params)
+            for key in _SUBJAXPR_PARAMS[name]:
+                params[key] = _rebuild_param(params[key], ctx, mode)
+            return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), params), False
+        except NotImplementedError:
+            if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
+                return _eval_jaxpr(eqn.params["jaxpr"], [], invals, ctx, mode), False
+            return _bind_untouched(eqn, invals), False
+    if any(isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr)) for p in eqn.params.values()):
+        return _bind_untouched(eqn, invals), False  # a higher-order primitive we do not know
+
+    target, hold = _target_dtype(name, eqn, invals, mode, ctx.policy, in_held)
+    if target is None:
+        return _bind(eqn, invals, eqn.params), hold
+    if isinstance(target, str):  # "traced"
+        return _bind_untouched(eqn, invals), False
+    if name == "convert_element_type":
+        src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+        if src == dst and _is_float(dst):  # a weak-type change only: keep the current dtype
+            return invals[0], in_held[0]
+        return _bind(eqn, invals, eqn.params), False
+    cast_vals = [
+        _cast(x, target)
+        if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
+        else x
+        for x, v in zip(invals, eqn.invars, strict=True)
+    ]
+    return _bind(eqn, cast_vals, _fix_params(name, eqn.params, target)), hold
+
+
+def _is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def autocast(
+    fn: Callable[..., Any],
+    policy: Policy,
+    *,
+    rules: Mapping[str, Policy] | None = None,
+    cast_outputs: bool = True,
+) -> Callable[..., Any]:
+    """Returns `fn` run under `policy`, op by op.
+
+    `fn` is traced to a jaxpr at its input dtypes and evaluated again with casts: lower-list
+    ops (``policy.lower_ops``: dot_general, conv) get half operands, f32-list ops
+    (``policy.f32_ops``: exp, log, reductions, ...) get float32 operands, and other ops follow
+    their inputs at O1 (the widest float wins) or run in half at O2/O3. Integer, boolean and
+    PRNG-key values are never cast. Floating outputs are cast to ``policy.output_dtype``.
+
+    The result is differentiable and jittable, and works inside and around jit, vmap and
+    scan. It recurses into jit, custom_jvp/custom_vjp (keeping their rules), scan, while,
+    cond and remat; a primitive it does not know runs in its traced dtypes, under a
+    ``mpjax_untouched`` name scope that the audit can show. At O0 `fn` is returned as-is.
+
+    Args:
+      fn: any JAX function of arrays (non-array arguments are treated as static).
+      policy: the precision policy, e.g. ``Policy.from_level("O1")``.
+      rules: advanced: policies for ``jax.named_scope("mpjax:<key>")`` regions, by key (the
+        Flax wrappers' per-module rules use this).
+      cast_outputs: cast floating outputs to ``policy.output_dtype`` (default True).
+
+    Returns:
+      A function with `fn`'s signature.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax
+      >>> def mlp(w, x):
+      ...     return jax.nn.log_softmax(jnp.tanh(x @ w))
+      >>> policy = mpjax.Policy.from_level("O1", "bfloat16")
+      >>> f = mpjax.autocast(mlp, policy)
+      >>> f(jnp.ones((3, 4)), jnp.ones((2, 3))).dtype   # output_dtype at O1
+      dtype('float32')
+      >>> "bf16" in str(jax.make_jaxpr(f)(jnp.ones((3, 4)), jnp.ones((2, 3))))
+      True
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"autocast needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
+            "mpjax.Policy.from_level('O1')."
+        )
+    if not callable(fn):
+        raise TypeError(f"autocast needs a function, got {type(fn).__name__}.")
+    if policy.level == "O0" and not rules:
+        return fn
+    ctx = _Context(policy, dict(rules or {}))
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+
+        def flat_fn(*dyn: Any) -> Any:
+            full = list(leaves)
+            for i, x in zip(dynamic, dyn, strict=True):
+                full[i] = x
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            return fn(*a, **k)
+
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[leaves[i] for i in dynamic]
+        )
+        outs = _eval_jaxpr(
+            closed.jaxpr, list(closed.consts), [leaves[i] for i in dynamic], ctx, policy
+        )
+        if cast_outputs:
+            outs = [_cast(x, policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+    return wrapped

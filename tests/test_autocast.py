@@ -1,0 +1,374 @@
+"""Tests of op-level autocast: op lists, regions, transformations, custom rules, numerics."""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import mpjax
+
+HALF = {"float16": np.dtype("float16"), "bfloat16": np.dtype(jnp.bfloat16)}
+F32 = np.dtype("float32")
+# Relative tolerance against the float32 reference, per half dtype (a few units of roundoff
+# through a few layers).
+RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
+
+
+def sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def eqns(jaxpr, name=None):
+    """Every equation (recursively) whose primitive is `name`."""
+    for eqn in jaxpr.eqns:
+        if name is None or eqn.primitive.name == name:
+            yield eqn
+        for sub in sub_jaxprs(eqn.params):
+            yield from eqns(sub, name)
+
+
+def in_dtypes(fn, *args, name):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    found = [
+        tuple(
+            np.dtype(v.aval.dtype) for v in e.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
+        )
+        for e in eqns(jaxpr, name)
+    ]
+    assert found, f"no {name} in the jaxpr"
+    return found
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+# -- models in plain JAX ------------------------------------------------------------------------
+
+
+def mlp(p, x):
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    return h @ p["w2"] + p["b2"]
+
+
+def cnn(p, x):
+    y = lax.conv_general_dilated(
+        x, p["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    with mpjax.full_precision():  # batch norm: keep_norm_fp32, written out for plain JAX
+        mean = y.mean(axis=(0, 1, 2))
+        var = y.var(axis=(0, 1, 2))
+        y = (y - mean) * lax.rsqrt(var + 1e-5)
+    y = jax.nn.gelu(y)  # smooth: a ReLU kink flipped by rounding makes the test flaky
+    return y.mean(axis=(1, 2)) @ p["w"]
+
+
+def transformer_block(p, x):
+    @mpjax.full_precision()
+    def layer_norm(z):
+        mu = z.mean(-1, keepdims=True)
+        return (z - mu) * lax.rsqrt(((z - mu) ** 2).mean(-1, keepdims=True) + 1e-6)
+
+    h = layer_norm(x)
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(q.shape[-1]), axis=-1)
+    x = x + jnp.einsum("bts,bsd->btd", att, v) @ p["wo"]
+    return x + jax.nn.gelu(layer_norm(x) @ p["w1"]) @ p["w2"]
+
+
+def make(kind, rng):
+    def n(*shape, scale=1.0):
+        return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+    if kind == "mlp":
+        return (
+            mlp,
+            {
+                "w1": n(16, 32, scale=0.25),
+                "b1": n(32, scale=0.1),
+                "w2": n(32, 8, scale=0.18),
+                "b2": n(8, scale=0.1),
+            },
+            n(4, 16),
+        )
+    if kind == "cnn":
+        return cnn, {"k": n(3, 3, 3, 8, scale=0.2), "w": n(8, 5, scale=0.35)}, n(2, 8, 8, 3)
+    d = 16
+    return (
+        transformer_block,
+        {k: n(d, d, scale=d**-0.5) for k in ("wq", "wk", "wv", "wo")}
+        | {"w1": n(d, 4 * d, scale=d**-0.5), "w2": n(4 * d, d, scale=(4 * d) ** -0.5)},
+        n(2, 6, d),
+    )
+
+
+# fmt: skip
+
+
+# -- op lists ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_lower_ops_get_half_operands(kind, level, half, rng):
+    fn, params, x = make(kind, rng)
+    f = mpjax.autocast(fn, mpjax.Policy.from_level(level, half))
+    name = "conv_general_dilated" if kind == "cnn" else "dot_general"
+    for dtypes in in_dtypes(f, params, x, name=name):
+        assert set(dtypes) == {HALF[half]}
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_f32_list_ops_run_in_float32_at_o1_and_o2(level, half, rng):
+    def loss(p, x, labels):
+        logits = transformer_block(p, x).mean(axis=1)
+        logp = jax.nn.log_softmax(logits)
+        ce = -jnp.take_along_axis(logp, labels[:, None], axis=1).mean()
+        return ce + jax.scipy.special.logsumexp(logits) + jnp.mean(jax.nn.softmax(logits) ** 2)
+
+    _, params, x = make("transformer", rng)
+    labels = jnp.array([1, 3])
+    f = mpjax.autocast(loss, mpjax.Policy.from_level(level, half))
+    for name in ("exp", "log", "reduce_sum", "rsqrt"):
+        for dtypes in in_dtypes(f, params, x, labels, name=name):
+            assert set(dtypes) == {F32}, name
+    # And the gradient's: exp/log/reductions of the backward pass in float32 too.
+    g = jax.grad(f)
+    for name in ("exp", "log"):
+        for dtypes in in_dtypes(g, params, x, labels, name=name):
+            assert set(dtypes) == {F32}, name
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_o3_runs_everything_in_half(half, rng):
+    _, params, x = make("mlp", rng)
+    f = mpjax.autocast(
+        lambda p, x: jax.nn.log_softmax(mlp(p, x)), mpjax.Policy.from_level("O3", half)
+    )
+    for name in ("exp", "log", "reduce_sum", "add", "dot_general"):
+        for dtypes in in_dtypes(f, params, x, name=name):
+            assert set(dtypes) == {HALF[half]}, name
+    assert f(params, x).dtype == HALF[half]
+
+
+def test_o1_follow_ops_take_the_widest_and_weak_scalars_do_not_promote(rng):
+    f = mpjax.autocast(
+        lambda w, x: jnp.tanh((x @ w) * 2.0), mpjax.Policy.from_level("O1", "float16")
+    )
+    w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
+    assert in_dtypes(f, w, x, name="mul") == [(HALF["float16"],) * 2]  # 2.0 is weak: half
+    assert in_dtypes(f, w, x, name="tanh") == [(HALF["float16"],)]
+    g = mpjax.autocast(lambda w, b, x: x @ w + b, mpjax.Policy.from_level("O1", "float16"))
+    assert in_dtypes(g, w, jnp.ones(4), x, name="add") == [(F32, F32)]  # half + f32 bias: f32
+
+
+def test_o2_keeps_what_f32_ops_produce_in_float32(rng):
+    f = mpjax.autocast(
+        lambda w, x: jax.scipy.special.logsumexp(x @ w), mpjax.Policy.from_level("O2", "bfloat16")
+    )
+    w, x = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), jnp.ones((2, 3))
+    for name in ("abs", "log", "exp"):
+        assert set(in_dtypes(f, w, x, name=name)[0]) == {F32}, name
+
+
+def test_o0_returns_the_function_unchanged():
+    def f(x):
+        return x * 2
+
+    assert mpjax.autocast(f, mpjax.Policy.from_level("O0")) is f
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_custom_lists(level):
+    policy = mpjax.Policy.from_level(
+        level, "bfloat16", lower_ops={"reduce_sum"}, f32_ops={"dot_general"}
+    )
+    f = mpjax.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), policy)
+    w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
+    assert in_dtypes(f, w, x, name="dot_general") == [(F32, F32)]
+    assert in_dtypes(f, w, x, name="reduce_sum") == [(HALF["bfloat16"],)]
+
+
+# -- regions -----------------------------------------------------------------------------------
+
+
+def test_full_precision_region_keeps_matmuls_in_float32():
+    def f(w, x):
+        h = x @ w
+        with mpjax.full_precision():
+            g = jax.jit(lambda a: a @ w.T)(h)  # through a nested jit too
+        return jnp.tanh(g)
+
+    w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    dots = in_dtypes(
+        mpjax.autocast(f, mpjax.Policy.from_level("O2", "float16")), w, x, name="dot_general"
+    )
+    assert dots == [(HALF["float16"],) * 2, (F32, F32)]
+
+
+def test_half_precision_decorator_forces_half_even_for_f32_ops():
+    @mpjax.half_precision()
+    def softplus_in_half(z):
+        return jnp.log1p(jnp.exp(z))
+
+    f = mpjax.autocast(
+        lambda x: softplus_in_half(x) + jnp.exp(x), mpjax.Policy.from_level("O1", "bfloat16")
+    )
+    exps = in_dtypes(f, jnp.ones(3), name="exp")
+    assert exps == [(HALF["bfloat16"],), (F32,)]
+    assert in_dtypes(f, jnp.ones(3), name="log1p") == [(HALF["bfloat16"],)]
+
+
+def test_regions_change_nothing_outside_autocast():
+    def f(x):
+        with mpjax.half_precision():
+            return jnp.exp(x)
+
+    assert f(jnp.ones(2)).dtype == F32
+
+
+# -- transformations ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_outputs_and_gradients_match_float32(kind, level, half, rng):
+    fn, params, x = make(kind, rng)
+    policy = mpjax.Policy.from_level(level, half)
+    loss = lambda p, x: jnp.sum(fn(p, x) ** 2)
+    ref_out = jax.jit(fn)(params, x)
+    with jax.default_matmul_precision("highest"):
+        ref_out = jax.jit(fn)(params, x)
+        ref_grads = jax.grad(loss)(params, x)
+    f = mpjax.autocast(fn, policy)
+    out = jax.jit(f)(params, x)
+    assert out.dtype == F32
+    assert rel_err(out, ref_out) < RTOL[half]
+    grads = jax.jit(jax.grad(lambda p, x: jnp.sum(f(p, x) ** 2)))(params, x)
+    for k in params:
+        assert grads[k].dtype == F32, k  # master params' gradients in float32
+        assert rel_err(grads[k], ref_grads[k]) < 2 * RTOL[half], k
+
+
+def test_grad_value_and_grad_vjp_jvp_vmap_scan_and_jit(rng):
+    policy = mpjax.Policy.from_level("O2", "float16")
+    fn, params, x = make("mlp", rng)
+    f = mpjax.autocast(fn, policy)
+    loss = lambda p: jnp.sum(f(p, x))
+    ref = lambda p: jnp.sum(fn(p, x))
+    v, g = jax.value_and_grad(loss)(params)
+    assert rel_err(v, ref(params)) < 2e-2
+    assert rel_err(g["w1"], jax.grad(ref)(params)["w1"]) < 4e-2
+    out, pullback = jax.vjp(lambda x: f(params, x), x)
+    assert pullback(jnp.ones_like(out))[0].dtype == F32
+    _, tangent = jax.jvp(lambda x: f(params, x), (x,), (jnp.ones_like(x),))
+    assert rel_err(tangent, jax.jvp(lambda x: fn(params, x), (x,), (jnp.ones_like(x),))[1]) < 4e-2
+    batched = jax.vmap(f, in_axes=(None, 0))(params, x[:, None, :])
+    assert batched.shape == (4, 1, 8)
+    autocast_of_vmap = mpjax.autocast(jax.vmap(fn, in_axes=(None, 0)), policy)
+    assert rel_err(autocast_of_vmap(params, x), fn(params, x)) < 2e-2
+
+    def scan_body(carry, xi):
+        return carry + f(params, xi[None])[0], None
+
+    total, _ = jax.jit(lambda xs: lax.scan(scan_body, jnp.zeros(8), xs))(x)
+    assert rel_err(total, fn(params, x).sum(0)) < 2e-2
+
+
+def test_recurses_into_control_flow_and_remat(rng):
+    def f(w, x):
+        h = jax.checkpoint(lambda z: jnp.tanh(z @ w))(x)
+        c, _ = lax.scan(lambda c, r: (c + r @ w.T, None), jnp.zeros(w.shape[0]), h)
+        h = lax.cond(c.sum() > 0, lambda a: a @ w.T @ w, lambda a: a, h)
+        _, h = lax.while_loop(
+            lambda s: s[0] < 2, lambda s: (s[0] + 1, jnp.tanh(s[1] @ w.T @ w)), (0, h)
+        )
+        return h
+
+    w = jnp.asarray(rng.normal(size=(4, 4)) * 0.5, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    g = mpjax.autocast(f, mpjax.Policy.from_level("O1", "bfloat16"))
+    for dtypes in in_dtypes(g, w, x, name="dot_general"):
+        assert set(dtypes) == {HALF["bfloat16"]}
+    assert rel_err(jax.jit(g)(w, x), f(w, x)) < 8e-2
+    no_while = lambda w: jnp.sum(jax.checkpoint(lambda z: jnp.tanh(z @ w))(x) ** 2)
+    grads = jax.grad(mpjax.autocast(no_while, mpjax.Policy.from_level("O1", "bfloat16")))(w)
+    assert grads.dtype == F32
+    assert rel_err(grads, jax.grad(no_while)(w)) < 8e-2
+
+
+def test_custom_jvp_and_custom_vjp_rules_are_kept():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x @ x.T)
+
+    f.defjvp(
+        lambda primals, tangents: (f(primals[0]), 42.0 * jnp.sum(tangents[0]) * jnp.ones((2, 2)))
+    )
+
+    @jax.custom_vjp
+    def g(x):
+        return jnp.cos(x @ x.T)
+
+    g.defvjp(lambda x: (g(x), None), lambda res, ct: (7.0 * jnp.ones((2, 3)),))
+    policy = mpjax.Policy.from_level("O2", "float16")
+    x = jnp.ones((2, 3))
+    grad_f = jax.grad(lambda x: mpjax.autocast(f, policy)(x).sum())(x)
+    np.testing.assert_allclose(np.asarray(grad_f), 4 * 42.0)
+    grad_g = jax.grad(lambda x: mpjax.autocast(g, policy)(x).sum())(x)
+    np.testing.assert_allclose(np.asarray(grad_g), 7.0)
+    assert in_dtypes(mpjax.autocast(f, policy), x, name="dot_general") == [(HALF["float16"],) * 2]
+
+
+def test_integers_bools_and_keys_are_never_cast():
+    def f(key, idx, mask, x):
+        noise = jax.random.normal(key, x.shape)
+        y = (x + noise)[idx]
+        return jnp.where(mask, y @ jnp.ones((3, 3)), 0.0), idx * 2
+
+    policy = mpjax.Policy.from_level("O3", "bfloat16")
+    out, idx = mpjax.autocast(f, policy)(
+        jax.random.key(0), jnp.array([1, 0]), jnp.array([[True], [False]]), jnp.ones((2, 3))
+    )
+    assert out.dtype == HALF["bfloat16"] and idx.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(idx), [2, 0])
+    assert float(jnp.abs(out[1]).sum()) == 0.0
+
+
+def test_non_array_arguments_are_static():
+    def f(x, n, activation="tanh"):
+        for _ in range(n):
+            x = getattr(jnp, activation)(x @ jnp.eye(2))
+        return x
+
+    g = mpjax.autocast(f, mpjax.Policy.from_level("O2", "float16"))
+    assert (
+        len(in_dtypes(lambda x: g(x, 3, activation="sin"), jnp.ones((2, 2)), name="dot_general"))
+        == 3
+    )
+    assert len(in_dtypes(lambda x: g(x, 3, activation="sin"), jnp.ones((2, 2)), name="sin")) == 3
+
+
+def test_unknown_primitives_run_in_their_traced_dtype_and_are_marked():
+    f = mpjax.autocast(lambda a, x: lax.igamma(a, x @ x), mpjax.Policy.from_level("O3", "bfloat16"))
+    a, x = jnp.full((2, 2), 2.0), jnp.ones((2, 2))
+    assert in_dtypes(f, a, x, name="igamma") == [(F32, F32)]
+    assert "mpjax_untouched" in jax.jit(f).lower(a, x).as_text(debug_info=True)
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="needs an mpjax.Policy"):
+        mpjax.autocast(jnp.tanh, "O1")
+    with pytest.raises(TypeError, match="needs a function"):
+        mpjax.autocast(3, mpjax.Policy.from_level("O1"))
