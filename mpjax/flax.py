@@ -1,0 +1,351 @@
+"""Flax wrappers: run linen and NNX modules under a policy, with per-module rules.
+
+``mpjax.flax.wrap(module, policy, rules=None)`` stores params in ``policy.param_dtype``
+(BatchNorm statistics always in float32) and runs the module under :func:`mpjax.autocast`.
+Rules map a module class (subclasses included) or a module path glob to a policy or a level,
+e.g. ``{nn.BatchNorm: "O0", "decoder/*": "O1"}``; the innermost matching module decides, a
+path rule beats a class rule for the same module, and a subclass's rule beats its base's.
+With ``keep_norm_fp32`` (the default at O1/O2) every normalization layer runs in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+from mpjax._src import loss_scale as ls_lib
+from mpjax._src import transform
+from mpjax._src.autocast import F32_REGION, autocast
+from mpjax._src.policy import Policy
+
+RuleKey = type | str
+Rules = Mapping[RuleKey, Policy | str]
+
+_LINEN_NORMS: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+_NNX_NORMS: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm)
+_STATS_COLLECTIONS = ("batch_stats",)
+
+
+def _rule_policy(value: Policy | str, base: Policy) -> Policy:
+    if isinstance(value, Policy):
+        return value
+    if isinstance(value, str):
+        half = base.compute_dtype if base.half else None
+        return Policy.from_level(value, half)
+    raise TypeError(
+        f"A rule maps to a Policy or a level string ('O0'..'O3'), got {type(value).__name__}."
+    )
+
+
+class _Resolver:
+    """Matches modules against rules and names the region marker that applies."""
+
+    def __init__(self, policy: Policy, rules: Rules | None, norms: tuple[type, ...]):
+        self.class_rules: list[tuple[type, str]] = []
+        self.path_rules: list[tuple[str, str]] = []
+        self.markers: dict[str, Policy] = {}
+        for i, (key, value) in enumerate((rules or {}).items()):
+            marker = f"rule{i}"
+            self.markers[marker] = _rule_policy(value, policy)
+            if isinstance(key, type):
+                self.class_rules.append((key, marker))
+            elif isinstance(key, str):
+                self.path_rules.append((key, marker))
+            else:
+                raise TypeError(
+                    f"Rule keys are module classes or path globs like 'decoder/*', got {key!r}."
+                )
+        if policy.keep_norm_fp32 and policy.half:
+            covered = [cls for cls, _ in self.class_rules]
+            for norm in norms:
+                if not any(issubclass(norm, c) for c in covered):
+                    self.class_rules.append((norm, F32_REGION))
+
+    def marker(self, module: Any, path: str) -> str | None:
+        for pattern, marker in self.path_rules:
+            if fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern):
+                return marker
+        # The most specific class wins: a rule for a subclass beats one for its base.
+        mro = type(module).__mro__
+        matches = [(mro.index(cls), marker) for cls, marker in self.class_rules if cls in mro]
+        return min(matches)[1] if matches else None
+
+
+def _cast_leaves(tree: Any, dtype: Any) -> Any:
+    def cast(x: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x, dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    """Casts each floating leaf of `tree` to the dtype of the same leaf in `like`."""
+
+    def cast(x: Any, ref: Any) -> Any:
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != ref.dtype:
+            return x.astype(ref.dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree, like)
+
+
+def _cast_variables(variables: Any, policy: Policy) -> Any:
+    out = {}
+    for name, collection in dict(variables).items():
+        if name == "params":
+            out[name] = _cast_leaves(collection, policy.param_dtype)
+        elif name in _STATS_COLLECTIONS:
+            out[name] = _cast_leaves(collection, np.float32)
+        else:
+            out[name] = collection
+    return out
+
+
+class LinenWrapped:
+    """A linen module run under a policy; made by :func:`wrap`. Has linen's init and apply."""
+
+    def __init__(self, module: nn.Module, policy: Policy, rules: Rules | None = None):
+        self.module = module
+        self.policy = policy
+        self._resolver = _Resolver(policy, rules, _LINEN_NORMS)
+
+    def __repr__(self) -> str:
+        return f"mpjax.flax.wrap({type(self.module).__name__}, {self.policy})"
+
+    def _intercept(self, next_fun: Callable, args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        marker = self._resolver.marker(module, "/".join(str(p) for p in module.path))
+        if marker is None:
+            return next_fun(*args, **kwargs)
+        with jax.named_scope(f"mpjax:{marker}"):
+            return next_fun(*args, **kwargs)
+
+    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Like ``module.init``; params come back in ``policy.param_dtype``, stats in float32."""
+        return _cast_variables(self.module.init(rngs, *args, **kwargs), self.policy)
+
+    def apply(
+        self,
+        variables: Any,
+        *args: Any,
+        rngs: Any = None,
+        method: Any = None,
+        mutable: Any = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Like ``module.apply``, run under the policy; outputs in ``policy.output_dtype``.
+
+        Mutable collections come back in their stored dtypes (``batch_stats`` in float32).
+        """
+
+        def run(variables: Any, rngs: Any, args: Any, kwargs: Any) -> Any:
+            with nn.intercept_methods(self._intercept):
+                return self.module.apply(
+                    variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs
+                )
+
+        out = autocast(run, self.policy, rules=self._resolver.markers, cast_outputs=False)(
+            variables, rngs, args, kwargs
+        )
+        if mutable is False:
+            return self.policy.cast_to_output(out)
+        out, state = out
+        stored = _cast_variables(state, self.policy)  # new collections: stats in float32
+        state = {
+            k: _cast_like(v, variables[k]) if k in variables else stored[k]
+            for k, v in state.items()
+        }
+        return self.policy.cast_to_output(out), state
+
+
+class NNXWrapped(nnx.Module):
+    """An NNX module run under a policy; made by :func:`wrap`. Call it like the module."""
+
+    def __init__(self, module: nnx.Module, policy: Policy, rules: Rules | None = None):
+        params = nnx.state(module, nnx.Param)
+        nnx.update(module, _cast_leaves(params, policy.param_dtype))
+        stats = nnx.state(module, nnx.BatchStat)
+        nnx.update(module, _cast_leaves(stats, np.float32))
+        self.inner = module
+        self.policy = policy
+        self._resolver = _Resolver(policy, rules, _NNX_NORMS)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        graphdef, state = nnx.split(self.inner)
+        resolver = self._resolver
+
+        def run(state: Any, args: Any, kwargs: Any) -> Any:
+            model = nnx.merge(graphdef, state)
+            with _nnx_markers(model, resolver):
+                out = model(*args, **kwargs)
+            return out, nnx.state(model)
+
+        out, new_state = autocast(run, self.policy, rules=resolver.markers, cast_outputs=False)(
+            state, args, kwargs
+        )
+        nnx.update(self.inner, _cast_like(new_state, state))
+        return self.policy.cast_to_output(out)
+
+
+@contextlib.contextmanager
+def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
+    # NNX modules are plain objects called through their class's __call__: patch the classes
+    # of matching submodules for the duration of the trace, keyed by instance.
+    by_id: dict[int, str] = {}
+    for path, sub in nnx.iter_modules(model):
+        marker = resolver.marker(sub, "/".join(str(p) for p in path))
+        if marker is not None:
+            by_id[id(sub)] = marker
+    originals: dict[type, Any] = {}
+    for _, sub in nnx.iter_modules(model):
+        cls = type(sub)
+        if id(sub) in by_id and cls not in originals:
+            originals[cls] = cls.__dict__.get("__call__")
+            call = cls.__call__
+
+            @functools.wraps(call)
+            def marked(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
+                marker = by_id.get(id(self))
+                if marker is None:
+                    return __call(self, *a, **k)
+                with jax.named_scope(f"mpjax:{marker}"):
+                    return __call(self, *a, **k)
+
+            cls.__call__ = marked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original  # type: ignore[method-assign]
+
+
+def wrap(module: Any, policy: Policy, rules: Rules | None = None) -> Any:
+    """Wraps a Flax linen or NNX module to run under `policy`.
+
+    Args:
+      module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
+      policy: the precision policy, e.g. ``mpjax.Policy.from_level("O2")``.
+      rules: per-module policies: keys are module classes (subclasses included) or path globs
+        (``"decoder/*"``, ``"*/attention"``), values are a Policy or a level string. The
+        innermost matching module decides; a path rule beats a class rule.
+
+    Returns:
+      For linen, an object with linen's ``init`` and ``apply`` (usable as a TrainState's
+      ``apply_fn``). For NNX, an ``nnx.Module`` holding the module as ``.inner``, usable with
+      ``nnx.Optimizer``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax, mpjax.flax
+      >>> model = mpjax.flax.wrap(nn.Dense(4), mpjax.Policy.from_level("O3", "bfloat16"))
+      >>> variables = model.init(jax.random.key(0), jnp.ones((2, 3)))
+      >>> variables["params"]["kernel"].dtype, model.apply(variables, jnp.ones((2, 3))).dtype
+      (dtype(bfloat16), dtype(bfloat16))
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"wrap needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
+            "mpjax.Policy.from_level('O2')."
+        )
+    if isinstance(module, nn.Module):
+        return LinenWrapped(module, policy, rules)
+    if isinstance(module, nnx.Module):
+        return NNXWrapped(module, policy, rules)
+    raise TypeError(
+        f"wrap takes a flax.linen.Module or a flax.nnx.Module, got {type(module).__name__}; "
+        "for a plain function use mpjax.autocast(fn, policy)."
+    )
+
+
+class TrainState(train_state.TrainState):
+    """A linen ``TrainState`` that does the loss scaling itself.
+
+    ``create(..., policy=policy)`` wraps ``tx`` as ``mpjax.loss_scale(tx,
+    scale=policy.loss_scale())``. :meth:`grad` scales the loss and differentiates;
+    ``apply_gradients`` (inherited) then unscales, checks, skips and adjusts the scale.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, flax.linen as nn, mpjax, mpjax.flax
+      >>> policy = mpjax.Policy.from_level("O2", "float16")
+      >>> model = mpjax.flax.wrap(nn.Dense(1), policy)
+      >>> x, y = jnp.ones((8, 3)), jnp.ones((8, 1))
+      >>> state = mpjax.flax.TrainState.create(
+      ...     apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+      ...     tx=optax.sgd(0.1), policy=policy)
+      >>> def loss_fn(params):
+      ...     return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+      >>> loss, grads = state.grad(loss_fn)
+      >>> state = state.apply_gradients(grads=grads)
+      >>> m = state.metrics()   # float16 gradients overflowed at 2**15: skipped, backed off
+      >>> int(m["skipped_steps"]), float(m["loss_scale"])
+      (1, 16384.0)
+    """
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        apply_fn: Callable,
+        params: Any,
+        tx: optax.GradientTransformation,
+        policy: Policy | None = None,
+        scale: ls_lib.LossScale | None = None,
+        **kwargs: Any,
+    ) -> TrainState:
+        """Creates the state; `tx` is wrapped in ``mpjax.loss_scale`` (the wrap form).
+
+        Args:
+          apply_fn: usually ``mpjax.flax.wrap(module, policy).apply``.
+          params: the params (already in ``policy.param_dtype`` if from the wrapper).
+          tx: the optimizer.
+          policy: gives the loss scale (``policy.loss_scale()``) unless `scale` is given.
+          scale: the loss scale; default from `policy`, else ``DynamicLossScale(2**15)``.
+          **kwargs: other TrainState fields.
+        """
+        if scale is None and policy is not None:
+            scale = policy.loss_scale()
+        return super().create(
+            apply_fn=apply_fn, params=params, tx=transform.loss_scale(tx, scale=scale), **kwargs
+        )
+
+    @property
+    def loss_scale(self) -> ls_lib.LossScale:
+        """The current loss scale."""
+        return transform.get_loss_scale(self.opt_state)
+
+    def metrics(self) -> dict[str, jax.Array]:
+        """``mpjax.loss_scale_metrics`` of this state."""
+        return transform.loss_scale_metrics(self.opt_state)
+
+    def grad(self, loss_fn: Callable, *args: Any, has_aux: bool = False) -> Any:
+        """Returns ``(loss, grads)`` (``((loss, aux), grads)`` with `has_aux`) of
+        ``loss_fn(params, *args)``: the loss unscaled, the gradients of the scaled loss, ready
+        for ``apply_gradients``."""
+        scale = self.loss_scale
+
+        def scaled(params: Any) -> Any:
+            out = loss_fn(params, *args)
+            if has_aux:
+                return scale.scale(out[0]), out
+            return scale.scale(out), out
+
+        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(self.params)
+        return out, grads
+
+
+__all__ = ["LinenWrapped", "NNXWrapped", "TrainState", "wrap"]

@@ -1,0 +1,384 @@
+"""Tests of the Flax linen and NNX wrappers, per-module rules and the TrainState helper."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_bit_identical
+from flax import nnx
+from test_autocast import F32, HALF, RTOL, eqns, in_dtypes, rel_err
+
+import mpjax
+import mpjax.flax
+
+LEVELS_HALF = [(lv, h) for lv in ("O1", "O2") for h in HALF]
+
+
+# -- linen models ------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.gelu(nn.Dense(32)(x))
+        x = nn.Dropout(0.1, deterministic=not train)(x)
+        return nn.Dense(10)(x)
+
+
+class ResBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        y = nn.Conv(8, (3, 3))(x)
+        y = nn.BatchNorm(use_running_average=not train)(y)
+        y = nn.gelu(y)
+        y = nn.Conv(8, (3, 3))(y)
+        y = nn.BatchNorm(use_running_average=not train)(y)
+        y = nn.gelu(y + nn.Conv(8, (1, 1))(x))
+        return nn.Dense(10)(y.mean(axis=(1, 2)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=False):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)(h, h)
+        h = nn.LayerNorm()(x)
+        x = x + nn.Dense(16)(nn.gelu(nn.Dense(32)(h)))
+        return nn.Dense(10)(x.mean(axis=1))
+
+
+LINEN = {"mlp": (MLP, (4, 12)), "cnn": (ResBlock, (2, 8, 8, 3)), "transformer": (Block, (2, 5, 16))}
+
+
+def setup_linen(kind, policy, rng, rules=None):
+    cls, shape = LINEN[kind]
+    model = mpjax.flax.wrap(cls(), policy, rules)
+    x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    variables = model.init(jax.random.key(0), x)
+    return model, variables, x
+
+
+def ce_loss(logits, labels):
+    logits = logits.astype(jnp.float32)  # outside autocast: the loss runs in float32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def linen_loss(model, variables, x, labels):
+    def loss(params):
+        out, updates = model.apply(
+            {**variables, "params": params}, x, train=True,
+            rngs={"dropout": jax.random.key(1)}, mutable=["batch_stats"],
+        )  # fmt: skip
+        return ce_loss(out, labels), updates
+
+    return loss
+
+
+def hlo_ops(text, op):
+    """(operand types, result type) of every `op` in StableHLO text."""
+    found = []
+    for line in text.splitlines():
+        if f"stablehlo.{op}" in line:
+            sig = line.rsplit(":", 1)[-1]
+            types = re.findall(r"tensor<[^>]*x(f16|bf16|f32)>", sig)
+            found.append(types)
+    return found
+
+
+# -- linen -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("half", HALF)
+@pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
+def test_linen_init_stores_params_in_param_dtype_and_stats_in_f32(level, half, rng):
+    policy = mpjax.Policy.from_level(level, half)
+    _, variables, _ = setup_linen("cnn", policy, rng)
+    for leaf in jax.tree_util.tree_leaves(variables["params"]):
+        assert leaf.dtype == policy.param_dtype
+    for leaf in jax.tree_util.tree_leaves(variables["batch_stats"]):
+        assert leaf.dtype == F32
+    assert policy.param_dtype == (HALF[half] if level == "O3" else F32)
+
+
+@pytest.mark.parametrize("level, half", LEVELS_HALF)
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_linen_train_step_hlo_has_half_matmuls_and_f32_softmax_norms_and_master_grads(
+    kind, level, half, rng
+):
+    policy = mpjax.Policy.from_level(level, half)
+    model, variables, x = setup_linen(kind, policy, rng)
+    labels = jnp.arange(x.shape[0]) % 10
+    loss = linen_loss(model, variables, x, labels)
+
+    def step(params):
+        (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return value, grads
+
+    text = jax.jit(step).lower(variables["params"]).as_text()
+    h = {"float16": "f16", "bfloat16": "bf16"}[half]
+    ops = hlo_ops(text, "dot_general") + hlo_ops(text, "convolution")
+    assert ops
+    for types in ops:
+        assert set(types[:2]) == {h}, types  # operands in half
+    # The forward pass's f32-list ops. (The backward pass's ops run in the dtype of the
+    # forward op they differentiate, as in torch.amp: a half bias add's gradient sum is half.)
+    forward = jax.make_jaxpr(loss)(variables["params"]).jaxpr
+    for name in ("exp", "log", "rsqrt", "reduce_sum"):
+        for e in eqns(forward, name):
+            assert all(v.aval.dtype == F32 for v in e.invars), (name, e)
+    _, grads = jax.jit(step)(variables["params"])
+    assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
+
+
+@pytest.mark.parametrize("level, half", LEVELS_HALF)
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_linen_outputs_and_gradients_match_float32(kind, level, half, rng):
+    cls, shape = LINEN[kind]
+    ref_model = cls()
+    x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    variables = ref_model.init(jax.random.key(0), x)
+    labels = jnp.arange(x.shape[0]) % 10
+    with jax.default_matmul_precision("highest"):
+        ref_out = ref_model.apply(variables, x)
+        ref_grads = jax.grad(
+            lambda p: ce_loss(ref_model.apply({**variables, "params": p}, x), labels)
+        )(variables["params"])
+    model = mpjax.flax.wrap(cls(), mpjax.Policy.from_level(level, half))
+    out = jax.jit(model.apply)(variables, x)
+    assert out.dtype == F32 and rel_err(out, ref_out) < RTOL[half]
+    grads = jax.jit(
+        jax.grad(lambda p: ce_loss(model.apply({**variables, "params": p}, x), labels))
+    )(variables["params"])
+    flat, ref_flat = jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)
+    total = rel_err(
+        np.concatenate([np.ravel(g) for g in flat]), np.concatenate([np.ravel(g) for g in ref_flat])
+    )
+    assert total < 2 * RTOL[half]
+
+
+def test_linen_o0_is_bit_identical_to_the_unwrapped_model(rng):
+    model, variables, x = setup_linen("transformer", mpjax.Policy.from_level("O0"), rng)
+    assert_trees_bit_identical(
+        jax.jit(model.apply)(variables, x), jax.jit(Block().apply)(variables, x)
+    )
+
+
+@pytest.mark.parametrize("half", HALF)
+def test_linen_o3_is_half_throughout(half, rng):
+    model, variables, x = setup_linen("cnn", mpjax.Policy.from_level("O3", half), rng)
+    out, state = model.apply(variables, x, train=True, mutable=["batch_stats"])
+    assert out.dtype == HALF[half]
+    assert {v.dtype for v in jax.tree_util.tree_leaves(state)} == {F32}  # stats stay f32
+
+
+def test_linen_rules_by_class_subclass_and_path(rng):
+    class MyDense(nn.Dense):
+        pass
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(8, name="encoder")(x)
+            x = MyDense(8, name="special")(x)
+            return nn.Dense(4, name="decoder")(jnp.tanh(x))
+
+    x = jnp.ones((2, 3))
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    model = mpjax.flax.wrap(Net(), policy, rules={nn.Dense: "O2", MyDense: "O0", "decoder*": "O0"})
+    variables = model.init(jax.random.key(0), x)
+    dots = in_dtypes(model.apply, variables, x, name="dot_general")
+    assert dots == [(HALF["bfloat16"],) * 2, (F32, F32), (F32, F32)]
+    # A path rule beats a class rule on the same module.
+    model = mpjax.flax.wrap(Net(), policy, rules={MyDense: "O0", "special": "O2"})
+    assert in_dtypes(model.apply, variables, x, name="dot_general")[1] == (HALF["bfloat16"],) * 2
+
+
+def test_linen_keep_norm_fp32_runs_norm_layers_in_f32(rng):
+    policy = mpjax.Policy.from_level("O2", "float16")
+    model, variables, x = setup_linen("transformer", policy, rng)
+
+    def f32_elementwise(model):
+        jaxpr = jax.make_jaxpr(model.apply)(variables, x).jaxpr
+        return sum(
+            all(v.aval.dtype == F32 for v in e.invars)
+            for name in ("sub", "mul")
+            for e in eqns(jaxpr, name)
+        )
+
+    off = mpjax.Policy.from_level("O2", "float16", keep_norm_fp32=False)
+    # Two LayerNorms: (x - mean) and the scale/shift of each run in float32 only when kept.
+    assert f32_elementwise(model) >= f32_elementwise(mpjax.flax.wrap(Block(), off)) + 4
+
+
+@pytest.mark.parametrize("level, half", [("O2", "float16"), ("O1", "bfloat16")])
+def test_linen_trainstate_with_batch_stats_and_dropout_trains(level, half, rng):
+    policy = mpjax.Policy.from_level(level, half)
+    model, variables, x = setup_linen("cnn", policy, rng)
+    labels = jnp.arange(x.shape[0]) % 10
+    state = mpjax.flax.TrainState.create(
+        apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2), policy=policy
+    )
+    stats = variables["batch_stats"]
+
+    @jax.jit
+    def step(state, stats):
+        def loss_fn(params):
+            out, updates = state.apply_fn(
+                {"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+            )
+            return ce_loss(out, labels), updates["batch_stats"]
+
+        (loss, new_stats), grads = state.grad(loss_fn, has_aux=True)
+        return state.apply_gradients(grads=grads), new_stats, loss
+
+    losses = []
+    for _ in range(30):
+        state, stats, loss = step(state, stats)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+    assert {v.dtype for v in jax.tree_util.tree_leaves(stats)} == {F32}
+    assert {v.dtype for v in jax.tree_util.tree_leaves(state.params)} == {F32}
+    assert isinstance(
+        state.loss_scale, mpjax.DynamicLossScale if half == "float16" else mpjax.NoOpLossScale
+    )
+    assert int(state.metrics()["skipped_steps"]) < 10
+
+
+# -- NNX ---------------------------------------------------------------------------------------
+
+
+class NNXMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(12, 32, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.l2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.gelu(self.l1(x))))
+
+
+class NNXResBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.c1 = nnx.Conv(3, 8, (3, 3), rngs=rngs)
+        self.bn1 = nnx.BatchNorm(8, rngs=rngs)
+        self.c2 = nnx.Conv(8, 8, (3, 3), rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.skip = nnx.Conv(3, 8, (1, 1), rngs=rngs)
+        self.head = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        y = nnx.gelu(self.bn1(self.c1(x)))
+        y = nnx.gelu(self.bn2(self.c2(y)) + self.skip(x))
+        return self.head(y.mean(axis=(1, 2)))
+
+
+class NNXBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.ln1 = nnx.LayerNorm(16, rngs=rngs)
+        self.att = nnx.MultiHeadAttention(
+            num_heads=2, in_features=16, qkv_features=16, decode=False, rngs=rngs
+        )
+        self.ln2 = nnx.LayerNorm(16, rngs=rngs)
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.ln1(x)
+        x = x + self.att(h, h)
+        x = x + self.down(nnx.gelu(self.up(self.ln2(x))))
+        return self.head(x.mean(axis=1))
+
+
+NNX = {
+    "mlp": (NNXMLP, (4, 12)),
+    "cnn": (NNXResBlock, (2, 8, 8, 3)),
+    "transformer": (NNXBlock, (2, 5, 16)),
+}
+
+
+@pytest.mark.parametrize("level, half", LEVELS_HALF + [("O3", "bfloat16")])
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_nnx_wrapper_trains_with_nnx_optimizer(kind, level, half, rng):
+    cls, shape = NNX[kind]
+    policy = mpjax.Policy.from_level(level, half)
+    model = mpjax.flax.wrap(cls(nnx.Rngs(0)), policy)
+    for leaf in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)):
+        assert leaf.dtype == policy.param_dtype
+    optimizer = nnx.Optimizer(
+        model, mpjax.loss_scale(optax.adam(1e-2), scale=policy.loss_scale()), wrt=nnx.Param
+    )
+    x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    labels = jnp.arange(shape[0]) % 10
+
+    @nnx.jit
+    def step(model, optimizer):
+        scale = mpjax.get_loss_scale(optimizer.opt_state)
+
+        def loss_fn(model):
+            return scale.scale(ce_loss(model(x), labels))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return scale.unscale(loss)
+
+    losses = [float(step(model, optimizer)) for _ in range(25)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    for leaf in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)):
+        assert leaf.dtype == policy.param_dtype
+    for leaf in jax.tree_util.tree_leaves(nnx.state(model, nnx.BatchStat)):
+        assert leaf.dtype == F32
+    metrics = mpjax.loss_scale_metrics(optimizer.opt_state)
+    assert int(metrics["skipped_steps"]) < 10
+    if level != "O3":
+        h = HALF[half]
+        name = "conv_general_dilated" if kind == "cnn" else "dot_general"
+        graphdef, state = nnx.split(model)
+        fn = lambda state: nnx.merge(graphdef, state)(x)
+        for dtypes in in_dtypes(fn, state, name=name):
+            assert set(dtypes) == {h}
+
+
+def test_nnx_outputs_match_float32(rng):
+    x = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    ref = NNXBlock(nnx.Rngs(0))
+    with jax.default_matmul_precision("highest"):
+        ref_out = ref(x)
+    model = mpjax.flax.wrap(NNXBlock(nnx.Rngs(0)), mpjax.Policy.from_level("O2", "bfloat16"))
+    out = model(x)
+    assert out.dtype == F32 and rel_err(out, ref_out) < RTOL["bfloat16"]
+
+
+def test_nnx_rules_by_class_and_path(rng):
+    policy = mpjax.Policy.from_level("O2", "float16")
+    model = mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), policy, rules={"l2": "O0"})
+    x = jnp.ones((2, 12))
+    graphdef, state = nnx.split(model)
+    fn = lambda state: nnx.merge(graphdef, state)(x)
+    assert in_dtypes(fn, state, name="dot_general") == [(HALF["float16"],) * 2, (F32, F32)]
+    model = mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), policy, rules={nnx.Linear: "O0"})
+    graphdef2, state = nnx.split(model)
+    fn2 = lambda state: nnx.merge(graphdef2, state)(x)  # a new function: jax caches by identity
+    assert in_dtypes(fn2, state, name="dot_general") == [(F32, F32), (F32, F32)]
+    assert nnx.Linear.__call__.__name__ == "__call__" and "marked" not in repr(nnx.Linear.__call__)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_wrap_bad_input():
+    policy = mpjax.Policy.from_level("O1")
+    with pytest.raises(TypeError, match="linen.Module or a flax.nnx.Module.*autocast"):
+        mpjax.flax.wrap(lambda x: x, policy)
+    with pytest.raises(TypeError, match="needs an mpjax.Policy"):
+        mpjax.flax.wrap(nn.Dense(3), "O1")
+    with pytest.raises(TypeError, match="module classes or path globs"):
+        mpjax.flax.wrap(nn.Dense(3), policy, rules={3: "O0"})
+    with pytest.raises(TypeError, match="Policy or a level string"):
+        mpjax.flax.wrap(nn.Dense(3), policy, rules={nn.Dense: 3})
+    with pytest.raises(ValueError, match="Unknown level"):
+        mpjax.flax.wrap(nn.Dense(3), policy, rules={nn.Dense: "O5"})
