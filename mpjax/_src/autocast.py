@@ -186,6 +186,16 @@ def _read(env: dict, v: Any) -> Any:
 def _eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], ctx: _Context, mode: Any) -> list:
     env: dict[Any, Any] = {}
     held: set[Any] = set()  # vars whose values are held in float32 (see _target_dtype)
+    casts: dict[tuple[Any, np.dtype], Any] = {}  # one convert per value and dtype, not per use
+
+    def cast_var(v: Any, x: Any, dtype: np.dtype) -> Any:
+        if isinstance(v, jax_core.Literal) or x.dtype == dtype:
+            return _cast(x, dtype)
+        key = (v, np.dtype(dtype))
+        if key not in casts:
+            casts[key] = _cast(x, dtype)
+        return casts[key]
+
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env[v] = x
     for v, x in zip(jaxpr.invars, args, strict=True):
@@ -197,7 +207,7 @@ def _eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], ctx: _Context, m
         in_held = [not isinstance(v, jax_core.Literal) and v in held for v in eqn.invars]
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
             with eqn.ctx.manager:
-                outvals, hold = _eval_eqn(eqn, invals, ctx, eqn_mode, in_held)
+                outvals, hold = _eval_eqn(eqn, invals, ctx, eqn_mode, in_held, cast_var)
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for v, x in zip(eqn.outvars, outvals, strict=True):
@@ -257,7 +267,12 @@ def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
 
 
 def _eval_eqn(
-    eqn: Any, invals: list[Any], ctx: _Context, mode: Any, in_held: list[bool]
+    eqn: Any,
+    invals: list[Any],
+    ctx: _Context,
+    mode: Any,
+    in_held: list[bool],
+    cast_var: Callable[[Any, Any, np.dtype], Any],
 ) -> tuple[Any, bool]:
     name = eqn.primitive.name
     if name in _INLINE_CALLS:
@@ -287,7 +302,7 @@ def _eval_eqn(
             return invals[0], in_held[0]
         return _bind(eqn, invals, eqn.params), False
     cast_vals = [
-        _cast(x, target)
+        cast_var(v, x, target)
         if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
         else x
         for x, v in zip(invals, eqn.invars, strict=True)
