@@ -372,3 +372,30 @@ def test_bad_input():
         mpjax.autocast(jnp.tanh, "O1")
     with pytest.raises(TypeError, match="needs a function"):
         mpjax.autocast(3, mpjax.Policy.from_level("O1"))
+
+
+def test_recurses_into_shard_map_and_keeps_collectives_in_their_traced_dtype():
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def f(w, x):
+        def body(w, x):
+            return lax.psum(jnp.tanh(x @ w).sum(0, keepdims=True), "d")
+
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec("d")),
+            out_specs=PartitionSpec(),
+        )(w, x)
+
+    w = jnp.full((3, 3), 0.1)
+    x = jnp.ones((4, 3))
+    g = mpjax.autocast(f, mpjax.Policy.from_level("O2", "bfloat16"))
+    assert in_dtypes(g, w, x, name="dot_general") == [(HALF["bfloat16"],) * 2]
+    psums = [e for e in eqns(jax.make_jaxpr(g)(w, x).jaxpr) if e.primitive.name.startswith("psum")]
+    assert psums and all(v.aval.dtype == F32 for e in psums for v in e.invars)
+    assert rel_err(g(w, x), f(w, x)) < 5e-2
+    grads = jax.grad(lambda w: g(w, x).sum())(w)
+    assert rel_err(grads, jax.grad(lambda w: f(w, x).sum())(w)) < 5e-2

@@ -28,6 +28,16 @@ def test_level_examples_run():
     exec(compile("import mpjax\n" + python_blocks()[1], "README levels", "exec"), {})
 
 
+def test_autocast_and_flax_examples_run(capsys):
+    blocks = [b for b in python_blocks() if "mpjax.autocast(" in b or "mpjax.flax.wrap(" in b]
+    assert len(blocks) == 2
+    for i, block in enumerate(blocks):
+        namespace: dict = {}
+        exec(compile(block, f"README block {i}", "exec"), namespace)
+    assert namespace["state"].step == 1
+    assert "skipped_steps" in capsys.readouterr().out
+
+
 def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
     test_command = next(c for c in commands if "pytest" in c)

@@ -227,29 +227,63 @@ def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
     return out
 
 
-def _rebuild_closed(closed: Any, ctx: _Context, mode: Any) -> Any:
+def _shard_map_context(params: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """The axis environment, manual mesh and vma checking that shard_map traces its body in."""
+    try:
+        from jax._src import config
+        from jax._src import shard_map as shard_map_internal
+        from jax._src.mesh import use_abstract_mesh
+    except ImportError:
+        raise NotImplementedError("shard_map internals moved") from None
+    mesh, manual = params["mesh"], params.get("newly_manual_axes", frozenset())
+    stack = contextlib.ExitStack()
+    stack.enter_context(shard_map_internal._extend_axis_env(mesh, manual))
+    stack.enter_context(use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, manual)))
+    stack.enter_context(config._check_vma(params.get("check_vma", True)))
+    return stack
+
+
+def _trace(body: Callable[..., list[Any]], avals: list[Any], context: Any = None) -> Any:
+    """Traces `body` at exactly `avals` (weak types and shard_map's varying axes included)."""
+    try:
+        from jax._src import api_util
+        from jax._src import linear_util as lu
+        from jax._src.interpreters import partial_eval as pe
+
+        debug = api_util.debug_info("mpjax.autocast", body, tuple(avals), {})
+        fun = lu.wrap_init(body, debug_info=debug)
+        with context or contextlib.nullcontext():
+            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, list(avals))
+        return jax_core.ClosedJaxpr(jaxpr, consts)
+    except (ImportError, AttributeError, TypeError):  # JAX internals moved: the public way
+        if context is not None:
+            raise NotImplementedError("no internal tracing API for a named-axis body") from None
+        specs = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+            for a in avals
+        ]
+        return jax.make_jaxpr(body)(*specs)
+
+
+def _rebuild_closed(closed: Any, ctx: _Context, mode: Any, context: Any = None) -> Any:
     """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
 
     def body(*args: Any) -> list[Any]:
         outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx, mode)
         return _to_traced(outs, closed.out_avals)
 
-    specs = [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-        for a in closed.in_avals
-    ]
-    return jax.make_jaxpr(body)(*specs)
+    return _trace(body, list(closed.in_avals), context)
 
 
-def _rebuild_param(value: Any, ctx: _Context, mode: Any) -> Any:
+def _rebuild_param(value: Any, ctx: _Context, mode: Any, context: Any = None) -> Any:
     if isinstance(value, tuple):
-        return tuple(_rebuild_param(v, ctx, mode) for v in value)
+        return tuple(_rebuild_param(v, ctx, mode, context) for v in value)
     if isinstance(value, jax_core.ClosedJaxpr):
-        return _rebuild_closed(value, ctx, mode)
+        return _rebuild_closed(value, ctx, mode, context)
     if isinstance(value, jax_core.Jaxpr):
         if value.constvars:
             raise NotImplementedError("open jaxpr with constvars")
-        rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode)
+        rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode, context)
         if rebuilt.consts:
             raise NotImplementedError("rebuilt jaxpr captured constants")
         return rebuilt.jaxpr
@@ -282,7 +316,8 @@ def _eval_eqn(
         try:
             params = dict(eqn.params)
             for key in _SUBJAXPR_PARAMS[name]:
-                params[key] = _rebuild_param(params[key], ctx, mode)
+                context = _shard_map_context(params) if name == "shard_map" else None
+                params[key] = _rebuild_param(params[key], ctx, mode, context)
             return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), params), False
         except NotImplementedError:
             if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
