@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax._src import core as jax_core
 from jax._src import source_info_util
 from jax._src.lax import lax as lax_internal
@@ -51,8 +52,20 @@ _SUBJAXPR_PARAMS = {
 }
 # Ops that take operands of unrelated dtypes and pass them through.
 _PASS_OPS = frozenset(
-    {"device_put", "optimization_barrier", "sharding_constraint", "copy", "copy_p",
-     "stop_gradient", "pvary", "reshard", "mesh_cast", "name"}
+    {"device_put", "optimization_barrier", "sharding_constraint", "stop_gradient", "pvary",
+     "reshard", "mesh_cast", "name"}
+)  # fmt: skip
+# Ops that only move data: they keep their input's dtype and the first computing consumer
+# casts. Besides saving converts, this keeps backward reductions in float32: the transpose of
+# broadcasting a float32 bias is a float32 sum of the half cotangent, not a half sum.
+_SHAPE_OPS = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
+     "dynamic_slice", "gather", "copy", "copy_p"}
+)  # fmt: skip
+# Elementwise ops that broadcast size-1 dimensions implicitly.
+_ELEMENTWISE = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n", "clamp",
+     "nextafter"}
 )  # fmt: skip
 # Ops whose meaning depends on the bit width: always run in their traced dtype.
 _TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
@@ -142,6 +155,8 @@ def _target_dtype(
     traced = [v.aval.dtype for v in eqn.invars if _is_float(v.aval.dtype)]
     if not traced or name in _PASS_OPS:
         return None, False
+    if name in _SHAPE_OPS:
+        return None, any(held)
     full = _widest([*traced, np.dtype(np.float32)])
     if name in _TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
         return "traced", False  # unknown primitive: never wrong, only slower
@@ -186,13 +201,19 @@ def _read(env: dict, v: Any) -> Any:
 def _eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], ctx: _Context, mode: Any) -> list:
     env: dict[Any, Any] = {}
     held: set[Any] = set()  # vars whose values are held in float32 (see _target_dtype)
-    casts: dict[tuple[Any, np.dtype], Any] = {}  # one convert per value and dtype, not per use
+    casts: dict[
+        tuple[Any, np.dtype, tuple[int, ...]], Any
+    ] = {}  # one convert per value and dtype, not per use
 
-    def cast_var(v: Any, x: Any, dtype: np.dtype) -> Any:
+    def cast_var(v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
         if isinstance(v, jax_core.Literal) or x.dtype == dtype:
             return _cast(x, dtype)
-        key = (v, np.dtype(dtype))
+        key = (v, np.dtype(dtype), shape)
         if key not in casts:
+            if x.ndim == len(shape) and x.shape != shape and np.dtype(dtype).itemsize < 4:
+                # Broadcast in float32 before casting down: the transpose is then a float32
+                # sum (a bias gradient), not a half one.
+                x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
             casts[key] = _cast(x, dtype)
         return casts[key]
 
@@ -306,7 +327,7 @@ def _eval_eqn(
     ctx: _Context,
     mode: Any,
     in_held: list[bool],
-    cast_var: Callable[[Any, Any, np.dtype], Any],
+    cast_var: Callable[[Any, Any, np.dtype, tuple[int, ...]], Any],
 ) -> tuple[Any, bool]:
     name = eqn.primitive.name
     if name in _INLINE_CALLS:
@@ -336,8 +357,9 @@ def _eval_eqn(
         if src == dst and _is_float(dst):  # a weak-type change only: keep the current dtype
             return invals[0], in_held[0]
         return _bind(eqn, invals, eqn.params), False
+    out_shape = tuple(eqn.outvars[0].aval.shape) if name in _ELEMENTWISE else None
     cast_vals = [
-        cast_var(v, x, target)
+        cast_var(v, x, target, out_shape if out_shape is not None else tuple(x.shape))
         if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
         else x
         for x, v in zip(invals, eqn.invars, strict=True)
