@@ -4,7 +4,10 @@ Precision policies and the O0-O3 levels, loss scales as pytrees, and loss scalin
 transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp's.
 """
 
+from mpjax._src.audit import AuditReport, NonFiniteOrigin, audit, find_nonfinite
 from mpjax._src.autocast import autocast, full_precision, half_precision
+from mpjax._src.hardware import HardwareWarning
+from mpjax._src.hardware import advice as hardware_advice
 from mpjax._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -28,6 +31,7 @@ from mpjax._src.transform import (
     get_loss_scale,
     loss_scale,
     loss_scale_metrics,
+    nonfinite_leaves,
 )
 
 __version__ = "0.1.0"
@@ -39,13 +43,19 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScaleState",
+    "NonFiniteOrigin",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
+    "AuditReport",
+    "HardwareWarning",
     "all_finite",
+    "audit",
+    "find_nonfinite",
     "autocast",
     "full_precision",
     "half_precision",
+    "hardware_advice",
     "cast_to_full",
     "cast_to_half",
     "get_loss_scale",
@@ -53,6 +63,7 @@ __all__ = (
     "half_dtype",
     "loss_scale",
     "loss_scale_metrics",
+    "nonfinite_leaves",
     "parse_dtype",
     "select_tree",
 )

@@ -23,7 +23,7 @@ from jax._src import core as jax_core
 from jax._src import source_info_util
 from jax._src.lax import lax as lax_internal
 
-from mpjax._src import ops
+from mpjax._src import hardware, ops
 from mpjax._src.policy import Policy
 
 _MARKER = re.compile(r"mpjax:([A-Za-z0-9_]+)")
@@ -198,7 +198,16 @@ def _read(env: dict, v: Any) -> Any:
     return v.val if isinstance(v, jax_core.Literal) else env[v]
 
 
-def _eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], ctx: _Context, mode: Any) -> list:
+def _eval_jaxpr(
+    jaxpr: Any,
+    consts: list[Any],
+    args: list[Any],
+    ctx: _Context,
+    mode: Any,
+    traceback: Any = None,
+) -> list:
+    """Evaluates `jaxpr` under the policy. `traceback`, for an inlined call, is the call
+    site's: the inner equations' own may come from a cached trace made elsewhere."""
     env: dict[Any, Any] = {}
     held: set[Any] = set()  # vars whose values are held in float32 (see _target_dtype)
     casts: dict[
@@ -226,9 +235,10 @@ def _eval_jaxpr(jaxpr: Any, consts: list[Any], args: list[Any], ctx: _Context, m
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
         invals = [_read(env, v) for v in eqn.invars]
         in_held = [not isinstance(v, jax_core.Literal) and v in held for v in eqn.invars]
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        tb = traceback if traceback is not None else eqn.source_info.traceback
+        with source_info_util.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
-                outvals, hold = _eval_eqn(eqn, invals, ctx, eqn_mode, in_held, cast_var)
+                outvals, hold = _eval_eqn(eqn, invals, ctx, eqn_mode, in_held, cast_var, tb)
         if not eqn.primitive.multiple_results:
             outvals = [outvals]
         for v, x in zip(eqn.outvars, outvals, strict=True):
@@ -286,25 +296,29 @@ def _trace(body: Callable[..., list[Any]], avals: list[Any], context: Any = None
         return jax.make_jaxpr(body)(*specs)
 
 
-def _rebuild_closed(closed: Any, ctx: _Context, mode: Any, context: Any = None) -> Any:
+def _rebuild_closed(
+    closed: Any, ctx: _Context, mode: Any, context: Any = None, traceback: Any = None
+) -> Any:
     """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
 
     def body(*args: Any) -> list[Any]:
-        outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx, mode)
+        outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx, mode, traceback)
         return _to_traced(outs, closed.out_avals)
 
     return _trace(body, list(closed.in_avals), context)
 
 
-def _rebuild_param(value: Any, ctx: _Context, mode: Any, context: Any = None) -> Any:
+def _rebuild_param(
+    value: Any, ctx: _Context, mode: Any, context: Any = None, traceback: Any = None
+) -> Any:
     if isinstance(value, tuple):
-        return tuple(_rebuild_param(v, ctx, mode, context) for v in value)
+        return tuple(_rebuild_param(v, ctx, mode, context, traceback) for v in value)
     if isinstance(value, jax_core.ClosedJaxpr):
-        return _rebuild_closed(value, ctx, mode, context)
+        return _rebuild_closed(value, ctx, mode, context, traceback)
     if isinstance(value, jax_core.Jaxpr):
         if value.constvars:
             raise NotImplementedError("open jaxpr with constvars")
-        rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode, context)
+        rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode, context, traceback)
         if rebuilt.consts:
             raise NotImplementedError("rebuilt jaxpr captured constants")
         return rebuilt.jaxpr
@@ -328,21 +342,23 @@ def _eval_eqn(
     mode: Any,
     in_held: list[bool],
     cast_var: Callable[[Any, Any, np.dtype, tuple[int, ...]], Any],
+    traceback: Any = None,
 ) -> tuple[Any, bool]:
     name = eqn.primitive.name
     if name in _INLINE_CALLS:
         closed = eqn.params[_INLINE_CALLS[name]]
-        return _eval_jaxpr(closed.jaxpr, list(closed.consts), invals, ctx, mode), False
+        outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), invals, ctx, mode, traceback)
+        return outs, False
     if name in _SUBJAXPR_PARAMS:
         try:
             params = dict(eqn.params)
             for key in _SUBJAXPR_PARAMS[name]:
                 context = _shard_map_context(params) if name == "shard_map" else None
-                params[key] = _rebuild_param(params[key], ctx, mode, context)
+                params[key] = _rebuild_param(params[key], ctx, mode, context, traceback)
             return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), params), False
         except NotImplementedError:
             if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
-                return _eval_jaxpr(eqn.params["jaxpr"], [], invals, ctx, mode), False
+                return _eval_jaxpr(eqn.params["jaxpr"], [], invals, ctx, mode, traceback), False
             return _bind_untouched(eqn, invals), False
     if any(isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr)) for p in eqn.params.values()):
         return _bind_untouched(eqn, invals), False  # a higher-order primitive we do not know
@@ -421,6 +437,7 @@ def autocast(
         raise TypeError(f"autocast needs a function, got {type(fn).__name__}.")
     if policy.level == "O0" and not rules:
         return fn
+    hardware.warn_if_slow(policy)
     ctx = _Context(policy, dict(rules or {}))
 
     @functools.wraps(fn)

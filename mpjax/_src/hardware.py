@@ -1,0 +1,76 @@
+"""Hardware advice: warn once when a half-precision policy meets a backend without fast half
+math (PaddlePaddle does the same); never fail."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import numpy as np
+
+from mpjax._src.policy import Policy
+
+
+class HardwareWarning(UserWarning):
+    """A half-precision policy on a backend that has no fast half-precision math."""
+
+
+_warned: set[tuple[str, str]] = set()
+# The first NVIDIA compute capability with fast math for each dtype (tensor cores).
+_MIN_CAPABILITY = {"float16": 7.0, "bfloat16": 8.0}
+
+
+def advice(policy: Policy) -> str | None:
+    """Returns why `policy`'s half dtype is slow on the default backend, or None if it is fast.
+
+    Example:
+      >>> import mpjax
+      >>> mpjax.hardware_advice(mpjax.Policy.from_level("O0")) is None
+      True
+    """
+    if not policy.half:
+        return None
+    dtype = np.dtype(policy.compute_dtype).name
+    device = jax.devices()[0]
+    platform = device.platform
+    if platform == "tpu":
+        return (
+            None
+            if dtype == "bfloat16"
+            else (
+                "float16 on TPU has no fast path (TPUs compute in bfloat16); use "
+                "Policy.from_level(level, 'bfloat16')."
+            )
+        )
+    if platform == "gpu":
+        capability = getattr(device, "compute_capability", None)
+        try:
+            cc = float(capability) if capability is not None else None
+        except (TypeError, ValueError):
+            cc = None
+        if cc is None or cc >= _MIN_CAPABILITY[dtype]:
+            return None
+        return (
+            f"{dtype} needs NVIDIA compute capability >= {_MIN_CAPABILITY[dtype]} for tensor "
+            f"cores; this GPU ({device.device_kind}) has {cc}, so half precision saves memory "
+            "but not time"
+            + (". Try float16." if dtype == "bfloat16" and cc >= 7.0 else ". Use O0 for speed.")
+        )
+    return (
+        f"{dtype} compute on {platform}: this backend has no fast half-precision math, so the "
+        "policy saves memory but runs slower than float32; use O0 here, or a GPU (compute "
+        "capability >= 7.0 for float16, >= 8.0 for bfloat16) or a TPU (bfloat16)."
+    )
+
+
+def warn_if_slow(policy: Policy) -> None:
+    """Warns once per backend and dtype if `policy` computes in half where that is slow."""
+    if not policy.half:
+        return
+    key = (jax.default_backend(), np.dtype(policy.compute_dtype).name)
+    if key in _warned:
+        return
+    message = advice(policy)
+    _warned.add(key)
+    if message:
+        warnings.warn(f"mpjax: {message}", HardwareWarning, stacklevel=3)
