@@ -42,3 +42,23 @@ def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
     test_command = next(c for c in commands if "pytest" in c)
     assert test_command.strip() in (ROOT / ".ci" / "run").read_text()
+
+
+def test_audit_table_in_readme_is_the_quickstarts_real_audit():
+    import pytest
+
+    import mpjax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the README shows the CPU audit")
+    namespace: dict = {}
+    exec(compile(python_blocks()[0], "quickstart.py", "exec"), namespace)
+    report = mpjax.audit(
+        namespace["train_step"],
+        namespace["params"],
+        namespace["opt_state"],
+        namespace["x"],
+        namespace["y"],
+    )
+    shown = re.search(r"```text\n>>> print\(mpjax.audit.*?\n(.*?)```", README, flags=re.S).group(1)
+    assert shown.strip() == str(report).strip()
