@@ -28,6 +28,8 @@ from mpjax._src.policy import (
 )
 from mpjax._src.transform import (
     LossScaleState,
+    NonFiniteLeaves,
+    all_reduce_gradients,
     get_loss_scale,
     loss_scale,
     loss_scale_metrics,
@@ -43,6 +45,7 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScaleState",
+    "NonFiniteLeaves",
     "NonFiniteOrigin",
     "NoOpLossScale",
     "Policy",
@@ -50,6 +53,7 @@ __all__ = (
     "AuditReport",
     "HardwareWarning",
     "all_finite",
+    "all_reduce_gradients",
     "audit",
     "find_nonfinite",
     "autocast",

@@ -126,6 +126,32 @@ class Risk:
     source: str | None
 
 
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """A cross-device collective: in the lowered program (explicit, e.g. psum) or inserted
+    by the compiler for sharded arrays (stage "compiled")."""
+
+    kind: str
+    dtypes: tuple[str, ...]
+    stage: str
+
+
+_STABLEHLO_COLLECTIVES = {
+    "stablehlo.all_reduce": "all-reduce",
+    "stablehlo.reduce_scatter": "reduce-scatter",
+    "stablehlo.all_gather": "all-gather",
+    "stablehlo.all_to_all": "all-to-all",
+}
+_HLO_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-reduce|all-reduce-start|reduce-scatter|"
+    r"all-gather|all-gather-start|all-to-all)\("
+)
+
+
+def _dtypes_in(text: str) -> tuple[str, ...]:
+    return tuple(_TYPE_NAMES[t] for t in re.findall(r"\b(bf16|f16|f32|f64)\[", text))
+
+
 def _dot_flops_and_alignment(line: str, ins: list, outs: list) -> tuple[int, bool]:
     (lhs_shape, _), (rhs_shape, _) = ins[0], ins[1]
     contracting = re.search(r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", line)
@@ -160,11 +186,14 @@ def _conv_flops_and_alignment(line: str, ins: list, outs: list) -> tuple[int, bo
     return flops, in_ch % 8 == 0 and out_ch % 8 == 0
 
 
-def _parse_stablehlo(text: str) -> tuple[list[MatmulOp], int, list[Risk], list[str]]:
+def _parse_stablehlo(
+    text: str,
+) -> tuple[list[MatmulOp], int, list[Risk], list[str], list[Collective]]:
     locs = _Locations(text)
     matmuls: list[MatmulOp] = []
     risks: list[Risk] = []
     untouched: list[str] = []
+    collectives: list[Collective] = []
     converts = 0
     for line in text.splitlines():
         stripped = line.strip()
@@ -179,6 +208,11 @@ def _parse_stablehlo(text: str) -> tuple[list[MatmulOp], int, list[Risk], list[s
                 untouched.append(prim)
         if op == "stablehlo.convert":
             converts += 1
+            continue
+        if op in _STABLEHLO_COLLECTIVES:
+            ins, _ = _signature(stripped)
+            dtypes = tuple(_TYPE_NAMES.get(t, t) for _, t in ins)
+            collectives.append(Collective(_STABLEHLO_COLLECTIVES[op], dtypes, "lowered"))
             continue
         if op in ("stablehlo.dot_general", "stablehlo.convolution"):
             ins, outs = _signature(stripped)
@@ -212,18 +246,25 @@ def _parse_stablehlo(text: str) -> tuple[list[MatmulOp], int, list[Risk], list[s
             _, outs = _signature(stripped)
             if outs and outs[0][1] in HALF_TYPES:
                 risks.append(Risk(risk_name, _TYPE_NAMES[outs[0][1]], outs[0][0], name, source))
-    return matmuls, converts, risks, untouched
+    return matmuls, converts, risks, untouched, collectives
 
 
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[[^=]*?\s([\w\-]+)\((.*)$")
 _HLO_MATMUL_TARGET = re.compile(r"gemm|conv|matmul", re.I)
 
 
-def _parse_compiled(text: str) -> list[tuple[str, tuple[str, ...]]]:
-    """(kind, operand dtypes) of each dot/convolution/library matmul in optimized HLO."""
+def _parse_compiled(text: str) -> tuple[list[tuple[str, tuple[str, ...]]], list[Collective]]:
+    """(kind, operand dtypes) of each dot/convolution/library matmul in optimized HLO, and
+    the collectives the compiler inserted."""
     found = []
+    collectives = []
     dtypes: dict[str, str] = {}
     for line in text.splitlines():
+        c = _HLO_COLLECTIVE.match(line)
+        if c:
+            collectives.append(
+                Collective(c.group(2).replace("-start", ""), _dtypes_in(c.group(1)), "compiled")
+            )
         if line.rstrip().endswith("{") and "=" not in line.split("(", 1)[0]:
             dtypes = {}  # a new computation: names are local to it
             continue
@@ -248,7 +289,7 @@ def _parse_compiled(text: str) -> list[tuple[str, tuple[str, ...]]]:
                 ),
             )
         )
-    return found
+    return found, collectives
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +304,8 @@ class AuditReport:
       compiled_matmuls: (kind, operand dtypes) of the matmuls in the backend's optimized HLO,
         or None if it could not be compiled. On CPU, XLA may run half matmuls in float32.
       backend: the backend the program was lowered for.
+      collectives: all-reduces, reduce-scatters and all-gathers with their dtypes, explicit
+        ("lowered") and compiler-inserted for sharded arrays ("compiled").
     """
 
     matmuls: tuple[MatmulOp, ...]
@@ -271,6 +314,7 @@ class AuditReport:
     untouched: tuple[str, ...]
     compiled_matmuls: tuple[tuple[str, tuple[str, ...]], ...] | None
     backend: str
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def total_flops(self) -> int:
@@ -299,6 +343,7 @@ class AuditReport:
             "risks": [dataclasses.asdict(r) for r in self.risks],
             "untouched": list(self.untouched),
             "misaligned": len(self.misaligned),
+            "collectives": [dataclasses.asdict(c) for c in self.collectives],
             "compiled_matmuls": None
             if self.compiled_matmuls is None
             else [{"kind": k, "operand_dtypes": list(d)} for k, d in self.compiled_matmuls],
@@ -351,6 +396,9 @@ class AuditReport:
             ]
         if self.untouched:
             rows += ["", f"autocast left in their traced dtype: {', '.join(self.untouched)}"]
+        if self.collectives:
+            rows += ["", "collectives:"]
+            rows += [f"  {c.kind} {' '.join(c.dtypes)} ({c.stage})" for c in self.collectives]
         if self.compiled_matmuls is not None:
             kinds = sorted({" x ".join(d) for _, d in self.compiled_matmuls if d})
             rows += ["", f"backend runs matmuls as: {'; '.join(kinds) or 'none found'}"]
@@ -393,11 +441,13 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     lowered = jitted.lower(*args, **kwargs)
     text = lowered.as_text(debug_info=True)
-    matmuls, converts, risks, untouched = _parse_stablehlo(text)
+    matmuls, converts, risks, untouched, collectives = _parse_stablehlo(text)
     compiled = None
     if compile:
         try:
-            compiled = tuple(_parse_compiled(lowered.compile().as_text()))
+            compiled_matmuls, inserted = _parse_compiled(lowered.compile().as_text())
+            compiled = tuple(compiled_matmuls)
+            collectives += inserted
         except Exception:  # noqa: BLE001 - the report stands without the optimized HLO
             compiled = None
     return AuditReport(
@@ -407,6 +457,7 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
         untouched=tuple(untouched),
         compiled_matmuls=compiled,
         backend=jax.default_backend(),
+        collectives=tuple(collectives),
     )
 
 
