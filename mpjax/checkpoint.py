@@ -1,0 +1,117 @@
+"""Checkpoints that remember their precision policy (orbax-checkpoint underneath).
+
+``save`` writes a pytree (params, optimizer state with its loss scale, step, ...) and the
+policy it was trained under; ``restore`` refuses to load it into another level or dtype,
+because params and loss-scale state are stored per policy (float16 params at O3, a dynamic
+scale only for float16) and a silent cast would lose or invent state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from mpjax._src.policy import Policy
+
+_POLICY_FILE = "mpjax_policy.json"
+_STATE_DIR = "state"
+
+
+def _describe(policy: Policy) -> dict[str, Any]:
+    return {
+        "level": policy.level,
+        "param_dtype": np.dtype(policy.param_dtype).name,
+        "compute_dtype": np.dtype(policy.compute_dtype).name,
+        "output_dtype": np.dtype(policy.output_dtype).name,
+    }
+
+
+def _label(d: dict[str, Any]) -> str:
+    level = d.get("level") or "custom"
+    return (
+        f"{level} (params {d['param_dtype']}, compute {d['compute_dtype']}, "
+        f"output {d['output_dtype']})"
+    )
+
+
+def save(directory: str | os.PathLike, tree: Any, policy: Policy) -> None:
+    """Saves `tree` and `policy` to `directory` (which must not exist yet).
+
+    Args:
+      directory: where to write; an absolute path is safest (orbax requires one).
+      tree: any pytree of arrays, e.g. ``{"params": params, "opt_state": opt_state}``.
+      policy: the policy the state was trained under.
+
+    Example:
+      >>> import os, tempfile, jax.numpy as jnp, optax, mpjax, mpjax.checkpoint
+      >>> policy = mpjax.Policy.from_level("O2", "float16")
+      >>> tx = mpjax.loss_scale(optax.sgd(0.1))
+      >>> state = {"params": {"w": jnp.ones(2)}, "opt": tx.init({"w": jnp.ones(2)})}
+      >>> path = os.path.join(tempfile.mkdtemp(), "step_100")
+      >>> mpjax.checkpoint.save(path, state, policy)
+      >>> restored = mpjax.checkpoint.restore(path, state, policy)
+      >>> float(mpjax.get_loss_scale(restored["opt"]).loss_scale)
+      32768.0
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"save needs the mpjax.Policy the state was trained under, got {policy!r}.")
+    directory = os.path.abspath(os.fspath(directory))
+    if os.path.exists(directory):
+        raise ValueError(f"{directory} already exists; checkpoints are never overwritten.")
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, _STATE_DIR), tree)
+    checkpointer.wait_until_finished()
+    with open(os.path.join(directory, _POLICY_FILE), "w") as f:
+        json.dump(_describe(policy), f)
+
+
+def saved_policy(directory: str | os.PathLike) -> dict[str, Any]:
+    """The level and dtypes a checkpoint was saved under."""
+    path = os.path.join(os.path.abspath(os.fspath(directory)), _POLICY_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"No mpjax checkpoint at {os.fspath(directory)} (no {_POLICY_FILE}); write one with "
+            "mpjax.checkpoint.save(directory, tree, policy)."
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def restore(directory: str | os.PathLike, target: Any, policy: Policy) -> Any:
+    """Restores the tree saved in `directory` into the structure and dtypes of `target`.
+
+    Args:
+      directory: a directory written by :func:`save`.
+      target: a pytree like the saved one (arrays or ``jax.ShapeDtypeStruct``), e.g. a freshly
+        initialised state; it gives the structure, static fields (loss-scale knobs) and
+        shardings.
+      policy: the policy to resume under; it must be the one the checkpoint was saved under.
+
+    Returns:
+      The restored pytree.
+
+    Raises:
+      FileNotFoundError: if `directory` is not an mpjax checkpoint.
+      ValueError: if `policy` differs from the saved one in level or any dtype.
+    """
+    saved = saved_policy(directory)
+    wanted = _describe(policy)
+    if saved != wanted:
+        raise ValueError(
+            f"The checkpoint at {os.fspath(directory)} was saved under {_label(saved)}, but you "
+            f"restore it under {_label(wanted)}. Params and loss-scale state are stored per "
+            "policy, so restore with the saved policy, then convert explicitly: "
+            "new_policy.cast_to_param(params) and a fresh optimizer state (tx.init)."
+        )
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
+    checkpointer = ocp.StandardCheckpointer()
+    path = os.path.join(os.path.abspath(os.fspath(directory)), _STATE_DIR)
+    return checkpointer.restore(path, abstract)
+
+
+__all__ = ["restore", "save", "saved_policy"]
