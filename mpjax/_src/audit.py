@@ -195,11 +195,18 @@ def _parse_stablehlo(
     untouched: list[str] = []
     collectives: list[Collective] = []
     converts = 0
+    pending: str | None = None  # a region op (all_reduce) whose types close its region
     for line in text.splitlines():
         stripped = line.strip()
+        if pending and stripped.startswith("})") and " : " in stripped:
+            ins, _ = _signature(stripped)
+            dtypes = tuple(_TYPE_NAMES.get(t, t) for _, t in ins)
+            collectives.append(Collective(pending, dtypes, "lowered"))
+            pending = None
+            continue
         if not stripped.startswith("%") or " = " not in stripped:
             continue
-        op = stripped.split(" = ", 1)[1].split(" ", 1)[0].split("(", 1)[0]
+        op = stripped.split(" = ", 1)[1].split(" ", 1)[0].split("(", 1)[0].strip('"')
         ref = _LOC_REF.search(stripped)
         name, source = locs.resolve(ref.group(1)) if ref else (None, None)
         if name and UNTOUCHED_SCOPE in name:
@@ -210,9 +217,12 @@ def _parse_stablehlo(
             converts += 1
             continue
         if op in _STABLEHLO_COLLECTIVES:
-            ins, _ = _signature(stripped)
-            dtypes = tuple(_TYPE_NAMES.get(t, t) for _, t in ins)
-            collectives.append(Collective(_STABLEHLO_COLLECTIVES[op], dtypes, "lowered"))
+            if stripped.endswith("({"):  # the generic form: types follow the region
+                pending = _STABLEHLO_COLLECTIVES[op]
+            else:
+                ins, _ = _signature(stripped)
+                dtypes = tuple(_TYPE_NAMES.get(t, t) for _, t in ins)
+                collectives.append(Collective(_STABLEHLO_COLLECTIVES[op], dtypes, "lowered"))
             continue
         if op in ("stablehlo.dot_general", "stablehlo.convolution"):
             ins, outs = _signature(stripped)
