@@ -52,6 +52,11 @@ class _Resolver:
     """Matches modules against rules and names the region marker that applies."""
 
     def __init__(self, policy: Policy, rules: Rules | None, norms: tuple[type, ...]):
+        if rules is not None and not isinstance(rules, Mapping):
+            raise TypeError(
+                f"rules must be a dict like {{nn.BatchNorm: 'O0', 'decoder/*': 'O1'}}, got "
+                f"{type(rules).__name__}; for one policy everywhere, pass it as `policy`."
+            )
         self.class_rules: list[tuple[type, str]] = []
         self.path_rules: list[tuple[str, str]] = []
         self.markers: dict[str, Policy] = {}

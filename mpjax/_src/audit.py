@@ -448,6 +448,8 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
       >>> report.half_flop_share, len(report.risks)
       (1.0, 0)
     """
+    if not callable(fn):
+        raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     lowered = jitted.lower(*args, **kwargs)
     text = lowered.as_text(debug_info=True)
@@ -569,7 +571,15 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
       >>> origin.primitive, origin.kind
       ('log', 'inf')
     """
-    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    if not callable(fn):
+        raise TypeError(f"find_nonfinite needs a function, got {type(fn).__name__}.")
     leaves = jax.tree_util.tree_leaves((args, kwargs))
+    for leaf in leaves:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float, int, bool)):
+            raise TypeError(
+                f"find_nonfinite takes arrays (or pytrees of arrays), got a {type(leaf).__name__}; "
+                "close over other arguments with functools.partial."
+            )
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
     found, _ = _first_nonfinite(closed.jaxpr, list(closed.consts), leaves, "")
     return found

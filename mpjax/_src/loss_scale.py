@@ -44,6 +44,8 @@ def check_scale_value(value: Any, name: str) -> float:
             f"{name} must be a concrete number, got a traced value; it is static "
             "configuration, so set it outside jax.jit."
         )
+    if np.ndim(value) != 0:
+        raise TypeError(f"{name} must be a scalar float, got shape {np.shape(value)}.")
     try:
         result = float(value)
     except (TypeError, ValueError):
@@ -399,6 +401,9 @@ def select_tree(pred: Any, a: T, b: T) -> T:
       >>> mpjax.select_tree(jnp.array(False), {"x": jnp.ones(2)}, {"x": jnp.zeros(2)})["x"]
       Array([0., 0.], dtype=float32)
     """
+    sa, sb = jax.tree_util.tree_structure(a), jax.tree_util.tree_structure(b)
+    if sa != sb:  # type: ignore[operator]
+        raise ValueError(f"select_tree needs two trees of the same structure, got {sa} and {sb}.")
     pred = jnp.asarray(pred)
     assert pred.ndim == 0 and pred.dtype == jnp.bool_, (
         f"expected boolean scalar, got dtype {pred.dtype} shape {pred.shape}"

@@ -86,6 +86,8 @@ def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
     Raises:
       ValueError: if the dtype is unknown or not a floating-point dtype.
     """
+    if dtype is None:
+        raise ValueError(f"{arg_name} is None; pass a dtype such as jnp.float32 or 'bfloat16'.")
     if isinstance(dtype, str):
         try:
             result = parse_dtype(dtype)

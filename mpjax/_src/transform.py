@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpjax._src import loss_scale as ls_lib
@@ -99,6 +100,23 @@ def _check_has_floats(tree: Any, what: str) -> None:
             f"loss_scale(): {what} has no floating-point arrays, so there is nothing to scale or "
             "check. Pass the model's float parameters/gradients (integer leaves are left alone)."
         )
+
+
+def _check_like_params(grads: Any, params: Any) -> None:
+    gs, ps = jax.tree_util.tree_structure(grads), jax.tree_util.tree_structure(params)
+    if gs != ps:  # type: ignore[operator]
+        raise ValueError(
+            "loss_scale(): the gradients and params have different tree structures "
+            f"({gs} vs {ps}); pass jax.grad's output for these params."
+        )
+    for (path, g), p in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree_util.tree_leaves(params)
+    ):
+        if np.shape(g) != np.shape(p):
+            raise ValueError(
+                f"loss_scale(): gradient {jax.tree_util.keystr(path)} has shape {np.shape(g)} "
+                f"but its param has shape {np.shape(p)}."
+            )
 
 
 def _scale_at_least_one(scale: ls_lib.LossScale) -> bool:
@@ -207,6 +225,8 @@ def loss_scale(
                 "that this transformation's init returned."
             )
         _check_has_floats(updates, "the gradient tree")
+        if params is not None:
+            _check_like_params(updates, params)
         # Unscale with the scale that produced these gradients, then adjust (jmp users often
         # adjust first and unscale with the new scale, which is off by the factor).
         grads = state.loss_scale.unscale(updates)

@@ -1,0 +1,117 @@
+"""Every public function with wrong types, shapes and dtypes, empty trees, None leaves, and
+integer params mixed with float params: a clear error that names the problem, or a
+documented no-op; never an internal JAX traceback."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpjax
+import mpjax.flax
+
+O1 = mpjax.Policy.from_level("O1", "bfloat16")
+PARAMS = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+
+
+def _update(grads, tx=None, params=PARAMS):
+    tx = tx or mpjax.loss_scale(optax.sgd(0.1))
+    return tx.update(grads, tx.init(params), params)
+
+
+ERRORS = [
+    # (call, exception, words the message must contain)
+    (lambda: mpjax.Policy(None, jnp.float32, jnp.float32), ValueError, "param_dtype is None"),
+    (lambda: mpjax.Policy(jnp.int32, jnp.float32, jnp.float32), ValueError, "floating-point dtype"),
+    (lambda: mpjax.Policy("fp16", "f32", "f32"), ValueError, "Unknown dtype 'fp16'"),
+    (lambda: mpjax.Policy.from_level("O5"), ValueError, "Unknown level 'O5'"),
+    (lambda: mpjax.Policy.from_level(None), TypeError, "level must be a string"),
+    (lambda: mpjax.Policy.from_level("O1", "float64"), ValueError, "float16 or bfloat16"),
+    (lambda: mpjax.Policy.from_level("O1", lower_ops={"matmul"}), ValueError, "Unknown op name"),
+    (lambda: mpjax.Policy.from_level("O1", loss_scale=128), TypeError, "loss_scale=128.0"),
+    (lambda: mpjax.get_policy(None), TypeError, "takes a string"),
+    (lambda: mpjax.get_policy("p=f32,c=fp8"), ValueError, "Unknown dtype 'fp8'"),
+    (lambda: mpjax.get_policy("p:f32"), ValueError, "Unknown dtype 'p:f32'"),
+    (lambda: mpjax.parse_dtype("quarter"), ValueError, "Unknown dtype 'quarter'"),
+    (lambda: mpjax.DynamicLossScale(2**15), TypeError, "loss_scale=32768.0"),
+    (lambda: mpjax.DynamicLossScale(jnp.ones(3)), TypeError, "scalar float, got shape (3,)"),
+    (lambda: mpjax.DynamicLossScale(None), TypeError, "must be a float"),
+    (lambda: mpjax.DynamicLossScale(1.0, period=0), ValueError, "period must be an int >= 1"),
+    (lambda: mpjax.DynamicLossScale(1.0, growth_factor=0.9), ValueError, "growth factor must be > 1"),
+    (lambda: mpjax.DynamicLossScale(1.0, backoff_factor=2.0), ValueError, "backoff_factor must be in"),
+    (lambda: mpjax.StaticLossScale(float("nan")), ValueError, "positive finite"),
+    (lambda: mpjax.DynamicLossScale(4.0).adjust(jnp.ones(2, bool)), ValueError, "boolean scalar"),
+    (lambda: mpjax.select_tree(jnp.array(True), {"a": 1.0}, {"b": 1.0}), ValueError, "same structure"),
+    (lambda: mpjax.loss_scale(optax.adam), TypeError, "call it first"),
+    (lambda: mpjax.loss_scale(scale=1024.0), TypeError, "scale must be a NoOpLossScale"),
+    (lambda: mpjax.loss_scale().init({}), ValueError, "params has no floating-point arrays"),
+    (lambda: mpjax.loss_scale().init(None), ValueError, "params has no floating-point arrays"),
+    (lambda: mpjax.loss_scale().init({"n": jnp.arange(3)}), ValueError, "no floating-point"),
+    (lambda: _update({"w": jnp.ones((2, 3))}), ValueError, "different tree structures"),
+    (lambda: _update({"w": jnp.ones((3, 2)), "b": jnp.zeros(3)}), ValueError, "['w'] has shape (3, 2)"),
+    (lambda: _update({"w": jnp.ones((2, 3)), "b": None}), ValueError, "different tree structures"),
+    (lambda: mpjax.loss_scale().update(PARAMS, optax.EmptyState()), TypeError, "pass the state"),
+    (lambda: mpjax.get_loss_scale(None), ValueError, "holds no mpjax.loss_scale() state"),
+    (lambda: mpjax.get_loss_scale(optax.sgd(0.1).init(PARAMS)), ValueError, "holds no"),
+    (lambda: mpjax.loss_scale_metrics({}), ValueError, "holds no"),
+    (lambda: mpjax.nonfinite_leaves(mpjax.loss_scale().init(PARAMS)), ValueError, "track_nonfinite=True"),
+    (lambda: mpjax.autocast(jnp.tanh, "O1"), TypeError, "needs an mpjax.Policy"),
+    (lambda: mpjax.autocast(None, O1), TypeError, "needs a function"),
+    (lambda: mpjax.audit(None), TypeError, "audit needs a function"),
+    (lambda: mpjax.find_nonfinite(jnp.tanh, "x"), TypeError, "takes arrays"),
+    (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules="O2"), TypeError, "rules must be a dict"),
+    (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules={nn.Dense: jnp.float16}), TypeError, "Policy or a level"),
+    (lambda: mpjax.flax.wrap(object(), O1), TypeError, "linen.Module or a flax.nnx.Module"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("call, error, words", ERRORS, ids=[e[2][:40] for e in ERRORS])
+def test_clear_errors(call, error, words):
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value)
+    # Raised by mpjax itself (or jmp-compatible assertion), not deep inside JAX.
+    assert "mpjax" in info.traceback[-1].path.as_posix() or "test_bad_input" in str(
+        info.traceback[-1].path
+    )
+
+
+def test_documented_no_ops():
+    # Casts touch only floating arrays: None, strings, Python numbers, ints pass through.
+    assert mpjax.cast_to_full(None) is None
+    assert mpjax.cast_to_half({"s": "name", "f": 1.5, "i": jnp.arange(2)})["s"] == "name"
+    assert O1.cast_to_compute({"i": jnp.arange(2)})["i"].dtype == jnp.int32
+    # An empty tree and None leaves are finite (as jmp).
+    assert bool(mpjax.all_finite({})) and bool(mpjax.all_finite({"a": None, "b": jnp.ones(2)}))
+    # NoOp and Static scales: adjust is the identity.
+    assert mpjax.NoOpLossScale().adjust(jnp.array(False)) == mpjax.NoOpLossScale()
+    assert mpjax.StaticLossScale(8.0).adjust(jnp.array(False)).loss_scale == 8.0
+    # Scale and unscale leave non-float leaves alone.
+    out = mpjax.StaticLossScale(4.0).unscale(
+        {"n": jnp.arange(3), "none": None, "x": jnp.full(2, 8.0)}
+    )
+    assert out["none"] is None and out["n"].dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out["x"]), [2.0, 2.0])
+
+
+def test_integer_params_mixed_with_float_params_and_none_leaves():
+    params = {"w": jnp.ones(3), "step": jnp.array(5), "frozen": None}
+    grads = {"w": jnp.array([1.0, jnp.inf, 1.0]), "step": jnp.array(0), "frozen": None}
+    tx = mpjax.loss_scale(optax.adam(1e-2), track_nonfinite=True)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert mpjax.nonfinite_leaves(state) == ["['w']"]
+    new = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(np.asarray(new["w"]), np.ones(3))
+    assert int(new["step"]) == 5 and new["frozen"] is None
+    good = {"w": jnp.ones(3), "step": jnp.array(0), "frozen": None}
+    updates, state = jax.jit(tx.update)(good, state, params)
+    assert bool(state.last_finite) and not bool(jnp.all(updates["w"] == 0))
+
+
+def test_autocast_with_wrong_shapes_reports_the_users_error():
+    f = mpjax.autocast(lambda w, x: x @ w, O1)
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
+        f(jnp.ones((3, 4)), jnp.ones((2, 5)))
