@@ -19,8 +19,9 @@ precision itself.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+import sys
 import time
 
 import flax.linen as nn
@@ -28,8 +29,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import mpjax
-import mpjax.flax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import mpjax  # noqa: E402
+import mpjax.flax  # noqa: E402
 
 
 class Block(nn.Module):
@@ -116,17 +120,14 @@ def main(argv=None) -> dict:
     )
     print("|---|---:|---:|---:|---:|---|---:|")
     for kind in ("transformer", "cnn"):
-        times: dict[str, list[float]] = {v: [] for v in variants}
         time_compile(kind, "autocast", policy)  # warm up imports and caches of jax itself
+        # Interleaved by hand: each call times only its own lower + compile, not the init.
+        times: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(args.rounds):
             for v in variants:
                 times[v].append(time_compile(kind, v, policy))
-        ratio = statistics.median(
-            a / p for a, p in zip(times["autocast"], times["plain"], strict=True)
-        )
-        vs_flax = statistics.median(
-            a / p for a, p in zip(times["autocast"], times["flax-dtype"], strict=True)
-        )
+        ratio = harness.paired_ratio(times, "autocast", "plain")
+        vs_flax = harness.paired_ratio(times, "autocast", "flax-dtype")
         med = {v: statistics.median(t) for v, t in times.items()}
         result["models"][kind] = {
             "median_s": med,
@@ -137,9 +138,7 @@ def main(argv=None) -> dict:
             f"| {kind} | {med['plain']:.2f} | {med['flax-dtype']:.2f} | {med['autocast']:.2f} "
             f"| {ratio:.2f} | {'met' if ratio <= 1.3 else 'NOT met'} | {vs_flax:.2f} |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    harness.write(args.json, result)
     return result
 
 

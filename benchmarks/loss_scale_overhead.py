@@ -11,17 +11,19 @@ ratios (machines are noisy, so only side-by-side ratios mean anything).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import os
 import statistics
-import time
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-import mpjax
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import mpjax  # noqa: E402
 
 
 def init(key, width: int, depth: int, policy: mpjax.Policy):
@@ -80,39 +82,34 @@ def main(argv=None) -> dict:
         jax.block_until_ready(state)
         variants[name] = [step, state]
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, entry in variants.items():
-            step, state = entry
-            start = time.perf_counter()
+    def runner(name: str):
+        def run():
+            step, state = variants[name]
             for _ in range(args.steps):
                 state = step(*state, x, y)
-            jax.block_until_ready(state)
-            times[name].append((time.perf_counter() - start) / args.steps)
-            entry[1] = state
-    ratios = {
-        name: statistics.median(t / b for t, b in zip(ts, times["noop"], strict=True))
-        for name, ts in times.items()
-    }
+            variants[name][1] = state
+            return state
+
+        return run
+
+    times = harness.interleave({name: runner(name) for name in variants}, args.rounds)
+    times = {k: [t / args.steps for t in v] for k, v in times.items()}
+    ratios = {name: harness.paired_ratio(times, name, "noop") for name in times}
     result = {
-        "machine": f"{platform.machine()} {jax.devices()[0].device_kind}",
-        "backend": jax.default_backend(),
-        "versions": {"jax": jax.__version__, "optax": optax.__version__},
+        "machine": harness.machine(),
         "config": vars(args),
         "median_step_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
         "ratio_to_noop": ratios,
     }
     print(
-        f"{result['machine']} ({result['backend']}), jax {jax.__version__}; "
+        f"{result['machine']['device']} ({result['machine']['backend']}), jax {jax.__version__}; "
         f"{args.level} {args.dtype}, {args.depth}x{args.width} MLP, batch {args.batch}"
     )
     print("| loss scale | median step (ms) | paired ratio to NoOp |")
     print("|---|---:|---:|")
     for name in variants:
         print(f"| {name} | {result['median_step_ms'][name]:.3f} | {ratios[name]:.3f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    harness.write(args.json, result)
     return result
 
 

@@ -20,3 +20,27 @@ def test_train_digits_levels_match_o0_accuracy(tmp_path):
     assert all(r["skipped_steps"] == 0 for r in results)
     assert (tmp_path / "digits_loss.png").stat().st_size > 10_000
     assert results[1]["final_loss_scale"] == 2.0**15  # O1 float16 runs a dynamic scale
+
+
+@pytest.mark.slow
+def test_loss_scaling_matters_shows_underflow_and_its_fix():
+    example = pytest.importorskip("loss_scaling_matters")
+    f32, unscaled, scaled = example.main(["--epochs", "3"])
+    assert unscaled["zero_gradient_share"] > 0.95  # float16 gradients underflow to zero
+    assert scaled["zero_gradient_share"] < f32["zero_gradient_share"] + 0.05
+    assert scaled["final_loss_scale"] >= 2.0**15 and unscaled["test_accuracy"] < 0.5
+    assert abs(scaled["test_accuracy"] - f32["test_accuracy"]) <= 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, args",
+    [
+        ("nnx_digits", ["--level", "O2", "--dtype", "float16"]),
+        ("autocast_jax", ["--level", "O1", "--dtype", "bfloat16"]),
+    ],
+)
+def test_nnx_and_autocast_examples_train(name, args):
+    example = pytest.importorskip(name)
+    result = example.main([*args, "--epochs", "12"])
+    assert result["test_accuracy"] > 0.93

@@ -1,0 +1,187 @@
+"""The SimpleNet harness for two Flax models: a ResNet-style CNN with BatchNorm and a small
+Transformer language model, each wrapped by ``mpjax.flax.wrap`` at every level.
+
+    python benchmarks/models.py --model resnet
+    python benchmarks/models.py --model transformer --size medium
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+import mpjax  # noqa: E402
+import mpjax.flax  # noqa: E402
+
+
+class ResBlock(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        y = nn.Conv(self.width, (3, 3), use_bias=False)(x)
+        y = nn.relu(nn.BatchNorm(use_running_average=not train)(y))
+        y = nn.Conv(self.width, (3, 3), use_bias=False)(y)
+        y = nn.BatchNorm(use_running_average=not train)(y)
+        if x.shape[-1] != self.width:
+            x = nn.Conv(self.width, (1, 1), use_bias=False)(x)
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    widths: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for i, w in enumerate(self.widths):
+            x = ResBlock(w)(x, train)
+            if i < len(self.widths) - 1:
+                x = nn.avg_pool(x, (2, 2), (2, 2))
+        return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+class TransformerLM(nn.Module):
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = True):
+        del train
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(self.depth):
+            h = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
+            h = nn.LayerNorm()(x)
+            x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+SIZES = {
+    "resnet": {"small": ((32, 64), 32, 32), "medium": ((64, 128, 256), 64, 32)},
+    "transformer": {"small": (256, 4, 4, 64, 16), "medium": (512, 6, 8, 128, 32)},
+}
+
+
+def build(kind: str, size: str):
+    if kind == "resnet":
+        widths, batch, hw = SIZES[kind][size]
+        model = ResNet(widths)
+        x = jax.random.normal(jax.random.key(1), (batch, hw, hw, 3))
+        y = jax.random.randint(jax.random.key(2), (batch,), 0, 10)
+        convs = [(3 if i == 0 else w, w) for i, w in enumerate(widths)]
+        flops = 0
+        for i, (cin, cout) in enumerate(convs):  # two 3x3 convs per block (+1x1), forward x3
+            side = hw // 2**i
+            flops += 2 * batch * side * side * 9 * (cin * cout + cout * cout) * 3
+        return model, x, y, flops
+    width, depth, heads, seq, batch = SIZES[kind][size]
+    vocab = 1024
+    model = TransformerLM(vocab, width, depth, heads)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq), 0, vocab)
+    flops = 3 * 2 * batch * seq * (depth * 12 * width * width + vocab * width)
+    flops += 3 * 2 * batch * depth * 2 * seq * seq * width  # attention scores and values
+    return model, tokens, jnp.roll(tokens, -1, axis=1), flops
+
+
+def make_step(kind: str, module, variant, x, y):
+    if isinstance(variant, str):
+        policy, precision = mpjax.Policy.from_level("O0"), variant
+    else:
+        policy, precision = variant, "default"
+    model = mpjax.flax.wrap(module, policy)
+    variables = model.init(jax.random.key(0), x)
+    params = variables["params"]
+    stats = variables.get("batch_stats", {})
+    tx = optax.chain(mpjax.loss_scale(scale=policy.loss_scale()), optax.adam(1e-3))
+
+    def step(params, stats, opt_state):
+        scale = mpjax.get_loss_scale(opt_state)
+
+        def loss_fn(p):
+            with jax.default_matmul_precision(precision):
+                if stats:
+                    logits, new = model.apply(
+                        {"params": p, "batch_stats": stats}, x, mutable=["batch_stats"]
+                    )
+                    new_stats = new["batch_stats"]
+                else:
+                    logits, new_stats = model.apply({"params": p}, x), stats
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+            return scale.scale(loss.mean()), new_stats
+
+        grads, new_stats = jax.grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_stats, opt_state
+
+    return jax.jit(step, donate_argnums=(0, 1, 2)), (params, stats, tx.init(params))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=SIZES, default="resnet")
+    parser.add_argument("--size", choices=["small", "medium"], default="small")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    module, x, y, flops = build(args.model, args.size)
+    variants, states, memory = {}, {}, {}
+    for name, variant in harness.level_variants():
+        step, state = make_step(args.model, module, variant, x, y)
+        memory[name] = harness.compiled_memory_mb(step, *state)
+        states[name] = step(*state)
+        harness.block(states[name])
+
+        def run(name=name, step=step):
+            for _ in range(args.steps):
+                states[name] = step(*states[name])
+            return states[name]
+
+        variants[name] = run
+    times = harness.interleave(variants, args.rounds)
+    times = {k: [t / args.steps for t in v] for k, v in times.items()}
+    gpu = jax.default_backend() == "gpu"
+    peak = harness.matmul_peak_tflops(jnp.bfloat16 if gpu else jnp.float32, 8192 if gpu else 1024)
+    label = f"measured {'bf16' if gpu else 'f32'} matmul peak ({peak:.2f} TFLOP/s)"
+    rows, text = harness.report(
+        f"{args.model} ({args.size})", times, flops, memory, "O0 default", peak, label
+    )
+    overhead = harness.paired_ratio(times, "O2 float16", "O2 float16 no scaling") - 1
+    limit = 0.01 if gpu else 0.03
+    target = harness.table(
+        ["target", "met", "measured"],
+        [[f"loss-scale overhead <= {100 * limit:.0f}%", "yes" if overhead <= limit else "NO",
+          f"{100 * overhead:+.1f}%"]],
+    )  # fmt: skip
+    info = harness.machine()
+    print(f"{info['device']} ({info['backend']}), jax {info['jax']}\n")
+    print(text + "\n\n" + target)
+    result = {
+        "benchmark": args.model,
+        "machine": info,
+        "config": vars(args),
+        "flops_per_step": flops,
+        "peak_tflops": peak,
+        "rows": rows,
+        "loss_scale_overhead": overhead,
+        "markdown": text + "\n\n" + target,
+    }
+    harness.write(args.json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
