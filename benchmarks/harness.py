@@ -8,6 +8,7 @@ median of those paired ratios.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import time
@@ -56,6 +57,23 @@ def machine() -> dict[str, Any]:
 
         info["jaxlib"] = jaxlib.__version__
     except ImportError:  # pragma: no cover
+        pass
+    try:  # the CPU model and its half-precision instructions (Linux)
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        model = next(
+            line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line
+        )
+        flags = sorted({f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+                        if f" {f}" in text})  # fmt: skip
+        info["cpu"] = f"{model}, {os.cpu_count()} cores, flags: {' '.join(flags) or 'none'}"
+    except (OSError, StopIteration):
+        info["cpu"] = platform.processor() or "unknown"
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
         pass
     return info
 

@@ -70,8 +70,16 @@ class TransformerLM(nn.Module):
 
 
 SIZES = {
-    "resnet": {"small": ((32, 64), 32, 32), "medium": ((64, 128, 256), 64, 32)},
-    "transformer": {"small": (256, 4, 4, 64, 16), "medium": (512, 6, 8, 128, 32)},
+    "resnet": {
+        "tiny": ((8, 16), 4, 8),
+        "small": ((32, 64), 32, 32),
+        "medium": ((64, 128, 256), 64, 32),
+    },
+    "transformer": {
+        "tiny": (32, 1, 2, 16, 4),
+        "small": (256, 4, 4, 64, 16),
+        "medium": (512, 6, 8, 128, 32),
+    },
 }
 
 
@@ -132,7 +140,7 @@ def make_step(kind: str, module, variant, x, y):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=SIZES, default="resnet")
-    parser.add_argument("--size", choices=["small", "medium"], default="small")
+    parser.add_argument("--size", choices=["tiny", "small", "medium"], default="small")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--json")

@@ -26,7 +26,7 @@ import harness  # noqa: E402
 
 import mpjax  # noqa: E402
 
-SIZES = {"small": (512, 256), "medium": (2048, 512), "paper": (8192, 2048)}
+SIZES = {"tiny": (64, 32), "small": (512, 256), "medium": (2048, 512), "paper": (8192, 2048)}
 DEPTH = 9
 LR = 1e-4
 
