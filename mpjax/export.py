@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax._src.autocast import autocast
+from mpjax._src.autocast import INLINE_CALLS, SHAPE_OPS, autocast
 from mpjax._src.policy import Policy
 
 _FORMAT = 1
@@ -31,11 +31,7 @@ _FUNCTION_FILE = "function.stablehlo"
 _PARAMS_FILE = "params.npz"
 _META_FILE = "export.json"
 # Ops that pass a param on unchanged in value (its shape or dtype aside).
-_PASS_THROUGH = frozenset(
-    {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-     "expand_dims", "copy", "copy_p"}
-)  # fmt: skip
-_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_PASS_THROUGH = SHAPE_OPS | {"convert_element_type"}
 
 
 def _only_feeds(var: Any, jaxpr: Any, lower_ops: frozenset[str]) -> bool:
@@ -55,8 +51,8 @@ def _only_feeds(var: Any, jaxpr: Any, lower_ops: frozenset[str]) -> bool:
             if not all(_only_feeds(out, jaxpr, lower_ops) for out in eqn.outvars):
                 return False
             continue
-        if name in _CALLS:
-            inner = eqn.params[_CALLS[name]].jaxpr
+        if name in INLINE_CALLS:
+            inner = eqn.params[INLINE_CALLS[name]].jaxpr
             if all(_only_feeds(inner.invars[i], inner, lower_ops) for i in positions):
                 continue
         return False

@@ -27,7 +27,7 @@ from flax.training import train_state
 from mpjax._src import loss_scale as ls_lib
 from mpjax._src import transform
 from mpjax._src.autocast import F32_REGION, autocast
-from mpjax._src.policy import Policy
+from mpjax._src.policy import Policy, cast_floating
 
 RuleKey = type | str
 Rules = Mapping[RuleKey, Policy | str]
@@ -87,15 +87,6 @@ class _Resolver:
         return min(matches)[1] if matches else None
 
 
-def _cast_leaves(tree: Any, dtype: Any) -> Any:
-    def cast(x: Any) -> Any:
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
-            return jnp.asarray(x, dtype)
-        return x
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
 def _cast_like(tree: Any, like: Any) -> Any:
     """Casts each floating leaf of `tree` to the dtype of the same leaf in `like`."""
 
@@ -111,9 +102,9 @@ def _cast_variables(variables: Any, policy: Policy) -> Any:
     out = {}
     for name, collection in dict(variables).items():
         if name == "params":
-            out[name] = _cast_leaves(collection, policy.param_dtype)
+            out[name] = cast_floating(collection, policy.param_dtype)
         elif name in _STATS_COLLECTIONS:
-            out[name] = _cast_leaves(collection, np.float32)
+            out[name] = cast_floating(collection, np.float32)
         else:
             out[name] = collection
     return out
@@ -181,9 +172,9 @@ class NNXWrapped(nnx.Module):
 
     def __init__(self, module: nnx.Module, policy: Policy, rules: Rules | None = None):
         params = nnx.state(module, nnx.Param)
-        nnx.update(module, _cast_leaves(params, policy.param_dtype))
+        nnx.update(module, cast_floating(params, policy.param_dtype))
         stats = nnx.state(module, nnx.BatchStat)
-        nnx.update(module, _cast_leaves(stats, np.float32))
+        nnx.update(module, cast_floating(stats, np.float32))
         self.inner = module
         self.policy = policy
         self._resolver = _Resolver(policy, rules, _NNX_NORMS)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpjax._src.autocast import UNTOUCHED_SCOPE
+from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE
 
 HALF_TYPES = ("f16", "bf16")
 _TYPE_NAMES = {
@@ -492,10 +492,7 @@ class NonFiniteOrigin:
 
 
 _CALL_PARAMS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
+    **INLINE_CALLS,
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "remat2": "jaxpr",

@@ -31,7 +31,7 @@ F32_REGION, HALF_REGION = "f32", "half"
 UNTOUCHED_SCOPE = "mpjax_untouched"
 
 # Calls inlined into the surrounding evaluation.
-_INLINE_CALLS = {
+INLINE_CALLS = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
@@ -58,7 +58,7 @@ _PASS_OPS = frozenset(
 # Ops that only move data: they keep their input's dtype and the first computing consumer
 # casts. Besides saving converts, this keeps backward reductions in float32: the transpose of
 # broadcasting a float32 bias is a float32 sum of the half cotangent, not a half sum.
-_SHAPE_OPS = frozenset(
+SHAPE_OPS = frozenset(
     {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
      "dynamic_slice", "gather", "copy", "copy_p"}
 )  # fmt: skip
@@ -155,7 +155,7 @@ def _target_dtype(
     traced = [v.aval.dtype for v in eqn.invars if _is_float(v.aval.dtype)]
     if not traced or name in _PASS_OPS:
         return None, False
-    if name in _SHAPE_OPS:
+    if name in SHAPE_OPS:
         return None, any(held)
     full = _widest([*traced, np.dtype(np.float32)])
     if name in _TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
@@ -345,8 +345,8 @@ def _eval_eqn(
     traceback: Any = None,
 ) -> tuple[Any, bool]:
     name = eqn.primitive.name
-    if name in _INLINE_CALLS:
-        closed = eqn.params[_INLINE_CALLS[name]]
+    if name in INLINE_CALLS:
+        closed = eqn.params[INLINE_CALLS[name]]
         outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), invals, ctx, mode, traceback)
         return outs, False
     if name in _SUBJAXPR_PARAMS:

@@ -115,7 +115,9 @@ def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
     return result
 
 
-def _cast_floating_to(tree: T, dtype: Any) -> T:
+def cast_floating(tree: T, dtype: Any) -> T:
+    """Casts the floating array leaves of `tree` to `dtype`; other leaves stay as they are."""
+
     def cast(x):
         # As jmp: only array leaves are cast; Python scalars, ints, bools, keys, None stay as-is.
         if isinstance(x, (np.ndarray, jax.Array)) and jnp.issubdtype(x.dtype, jnp.floating):
@@ -202,15 +204,15 @@ class Policy:
 
     def cast_to_param(self, x: T) -> T:
         """Casts the floating array leaves of `x` to `param_dtype`."""
-        return _cast_floating_to(x, self.param_dtype)
+        return cast_floating(x, self.param_dtype)
 
     def cast_to_compute(self, x: T) -> T:
         """Casts the floating array leaves of `x` to `compute_dtype`."""
-        return _cast_floating_to(x, self.compute_dtype)
+        return cast_floating(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:
         """Casts the floating array leaves of `x` to `output_dtype`."""
-        return _cast_floating_to(x, self.output_dtype)
+        return cast_floating(x, self.output_dtype)
 
     def with_param_dtype(self, param_dtype: Any) -> Policy:
         """Returns a copy with `param_dtype` replaced."""
@@ -443,7 +445,7 @@ def cast_to_full(tree: T) -> T:
       >>> mpjax.cast_to_full(jnp.ones(2, jnp.float16)).dtype
       dtype('float32')
     """
-    return _cast_floating_to(tree, jnp.float32)
+    return cast_floating(tree, jnp.float32)
 
 
 def cast_to_half(tree: T) -> T:
@@ -454,4 +456,4 @@ def cast_to_half(tree: T) -> T:
       >>> mpjax.cast_to_half(jnp.ones(2)).dtype == mpjax.half_dtype()
       True
     """
-    return _cast_floating_to(tree, half_dtype())
+    return cast_floating(tree, half_dtype())
