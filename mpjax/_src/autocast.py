@@ -258,6 +258,10 @@ def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
     return out
 
 
+class _CannotRebuild(Exception):
+    """A sub-jaxpr cannot be rebuilt with casts; the equation then runs as traced."""
+
+
 def _shard_map_context(params: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
     """The axis environment, manual mesh and vma checking that shard_map traces its body in."""
     try:
@@ -265,7 +269,7 @@ def _shard_map_context(params: dict[str, Any]) -> contextlib.AbstractContextMana
         from jax._src import shard_map as shard_map_internal
         from jax._src.mesh import use_abstract_mesh
     except ImportError:
-        raise NotImplementedError("shard_map internals moved") from None
+        raise _CannotRebuild("shard_map internals moved") from None
     mesh, manual = params["mesh"], params.get("newly_manual_axes", frozenset())
     stack = contextlib.ExitStack()
     stack.enter_context(shard_map_internal._extend_axis_env(mesh, manual))
@@ -288,7 +292,7 @@ def _trace(body: Callable[..., list[Any]], avals: list[Any], context: Any = None
         return jax_core.ClosedJaxpr(jaxpr, consts)
     except (ImportError, AttributeError, TypeError):  # JAX internals moved: the public way
         if context is not None:
-            raise NotImplementedError("no internal tracing API for a named-axis body") from None
+            raise _CannotRebuild("no internal tracing API for a named-axis body") from None
         specs = [
             jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
             for a in avals
@@ -317,10 +321,10 @@ def _rebuild_param(
         return _rebuild_closed(value, ctx, mode, context, traceback)
     if isinstance(value, jax_core.Jaxpr):
         if value.constvars:
-            raise NotImplementedError("open jaxpr with constvars")
+            raise _CannotRebuild("open jaxpr with constvars")
         rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode, context, traceback)
         if rebuilt.consts:
-            raise NotImplementedError("rebuilt jaxpr captured constants")
+            raise _CannotRebuild("rebuilt jaxpr captured constants")
         return rebuilt.jaxpr
     return value
 
@@ -356,7 +360,7 @@ def _eval_eqn(
                 context = _shard_map_context(params) if name == "shard_map" else None
                 params[key] = _rebuild_param(params[key], ctx, mode, context, traceback)
             return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), params), False
-        except NotImplementedError:
+        except _CannotRebuild:
             if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
                 return _eval_jaxpr(eqn.params["jaxpr"], [], invals, ctx, mode, traceback), False
             return _bind_untouched(eqn, invals), False
