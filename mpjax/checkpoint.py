@@ -71,7 +71,15 @@ def save(directory: str | os.PathLike, tree: Any, policy: Policy) -> None:
 
 
 def saved_policy(directory: str | os.PathLike) -> dict[str, Any]:
-    """The level and dtypes a checkpoint was saved under."""
+    """The level and dtypes a checkpoint was saved under.
+
+    Example:
+      >>> import os, tempfile, jax.numpy as jnp, mpjax, mpjax.checkpoint
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+      >>> mpjax.checkpoint.save(path, {"w": jnp.ones(2)}, mpjax.Policy.from_level("O1", "float16"))
+      >>> mpjax.checkpoint.saved_policy(path)["level"]
+      'O1'
+    """
     path = os.path.join(os.path.abspath(os.fspath(directory)), _POLICY_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(
@@ -98,6 +106,14 @@ def restore(directory: str | os.PathLike, target: Any, policy: Policy) -> Any:
     Raises:
       FileNotFoundError: if `directory` is not an mpjax checkpoint.
       ValueError: if `policy` differs from the saved one in level or any dtype.
+
+    Example:
+      >>> import os, tempfile, jax.numpy as jnp, mpjax, mpjax.checkpoint
+      >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+      >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
+      >>> mpjax.checkpoint.save(path, {"w": jnp.arange(3.0)}, policy)
+      >>> mpjax.checkpoint.restore(path, {"w": jnp.zeros(3)}, policy)["w"]
+      Array([0., 1., 2.], dtype=float32)
     """
     saved = saved_policy(directory)
     wanted = _describe(policy)

@@ -60,7 +60,14 @@ def _only_feeds(var: Any, jaxpr: Any, lower_ops: frozenset[str]) -> bool:
 
 
 def half_param_paths(fn: Callable[..., Any], params: Any, policy: Policy, *args: Any) -> list[str]:
-    """The paths of the float params of ``fn(params, *args)`` that only feed lower-list ops."""
+    """The paths of the float params of ``fn(params, *args)`` that only feed lower-list ops.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax, mpjax.export
+      >>> f = lambda p, x: x @ p["w"] + p["b"]
+      >>> mpjax.export.half_param_paths(f, {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
+      ...                               mpjax.Policy.from_level("O1"), jnp.ones((4, 3)))
+      ["['w']"]"""
     closed = jax.make_jaxpr(fn)(params, *args)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     invars = closed.jaxpr.invars[: len(flat)]
@@ -133,6 +140,20 @@ def save(
 
     Returns:
       A summary: bytes on disk of the params and the function, and the params' dtypes.
+
+    Example:
+      >>> import os, tempfile, jax.numpy as jnp, mpjax, mpjax.export
+      >>> f = lambda p, x: x @ p["w"]
+      >>> path = os.path.join(tempfile.mkdtemp(), "f")
+      >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
+      >>> mpjax.export.save(path, f, {"w": jnp.ones((3, 2), jnp.bfloat16)}, jnp.ones((4, 3)),
+      ...                   policy=policy)["dtypes"]
+      ['bfloat16']
+      >>> mpjax.export.load(path)(jnp.ones((4, 3)))
+      Array([[3., 3.],
+             [3., 3.],
+             [3., 3.],
+             [3., 3.]], dtype=float32)
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"save needs policy=mpjax.Policy, got {type(policy).__name__}.")

@@ -111,7 +111,14 @@ def _cast_variables(variables: Any, policy: Policy) -> Any:
 
 
 class LinenWrapped:
-    """A linen module run under a policy; made by :func:`wrap`. Has linen's init and apply."""
+    """A linen module run under a policy; made by :func:`wrap`. Has linen's init and apply.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax, mpjax.flax
+      >>> model = mpjax.flax.wrap(nn.Dense(2), mpjax.Policy.from_level("O2", "bfloat16"))
+      >>> v = model.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> type(model).__name__, model.apply(v, jnp.ones((1, 3))).dtype
+      ('LinenWrapped', dtype('float32'))"""
 
     def __init__(self, module: nn.Module, policy: Policy, rules: Rules | None = None):
         self.module = module
@@ -168,7 +175,15 @@ class LinenWrapped:
 
 
 class NNXWrapped(nnx.Module):
-    """An NNX module run under a policy; made by :func:`wrap`. Call it like the module."""
+    """An NNX module run under a policy; made by :func:`wrap`. Call it like the module.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax, mpjax.flax
+      >>> from flax import nnx
+      >>> model = mpjax.flax.wrap(nnx.Linear(3, 2, rngs=nnx.Rngs(0)),
+      ...                         mpjax.Policy.from_level("O3", "bfloat16"))
+      >>> model.inner.kernel[...].dtype, model(jnp.ones((1, 3))).dtype
+      (dtype(bfloat16), dtype(bfloat16))"""
 
     def __init__(self, module: nnx.Module, policy: Policy, rules: Rules | None = None):
         params = nnx.state(module, nnx.Param)

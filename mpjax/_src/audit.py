@@ -316,6 +316,12 @@ class AuditReport:
       backend: the backend the program was lowered for.
       collectives: all-reduces, reduce-scatters and all-gathers with their dtypes, explicit
         ("lowered") and compiler-inserted for sharded arrays ("compiled").
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> report = mpjax.audit(lambda a, b: a @ b, jnp.ones((8, 16)), jnp.ones((16, 8)))
+      >>> report.total_flops, report.half_flop_share, report.to_dict()["converts"]
+      (2048, 0.0, 0)
     """
 
     matmuls: tuple[MatmulOp, ...]
@@ -475,7 +481,13 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
 
 @dataclasses.dataclass(frozen=True)
 class NonFiniteOrigin:
-    """The first op of a function that made an inf or nan from finite inputs."""
+    """The first op of a function that made an inf or nan from finite inputs.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> origin = mpjax.find_nonfinite(lambda x: jnp.sqrt(x - 2.0), jnp.ones(2))
+      >>> origin.primitive, origin.kind, origin.shape
+      ('sqrt', 'nan', (2,))"""
 
     primitive: str
     name: str

@@ -12,7 +12,13 @@ from mpjax._src.policy import Policy
 
 
 class HardwareWarning(UserWarning):
-    """A half-precision policy on a backend that has no fast half-precision math."""
+    """A half-precision policy on a backend that has no fast half-precision math.
+
+    Example:
+      >>> import warnings, mpjax
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("ignore", mpjax.HardwareWarning)  # e.g. in CPU-only tests
+      ...     f = mpjax.autocast(lambda x: x, mpjax.Policy.from_level("O2", "bfloat16"))"""
 
 
 _warned: set[tuple[str, str]] = set()

@@ -18,6 +18,11 @@ class NonFiniteLeaves:
 
     A pytree whose only leaf is ``mask`` (bool, one entry per float gradient leaf); the leaf
     paths are static. Made by ``loss_scale(..., track_nonfinite=True)``.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> mpjax.NonFiniteLeaves(jnp.array([False, True]), ("['a']", "['b']")).names()
+      ["['b']"]
     """
 
     def __init__(self, mask: Any, paths: tuple[str, ...]):
@@ -60,6 +65,12 @@ class LossScaleState(NamedTuple):
       inner_state: the wrapped optimizer's state (``optax.EmptyState()`` in the chain form).
       nonfinite: which gradient leaves were non-finite on the last step (a
         :class:`NonFiniteLeaves`), or None unless ``track_nonfinite=True``.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax
+      >>> state = mpjax.loss_scale().init({"w": jnp.ones(2)})
+      >>> type(state).__name__, int(state.skipped_steps), bool(state.last_finite)
+      ('LossScaleState', 0, True)
     """
 
     loss_scale: ls_lib.LossScale
