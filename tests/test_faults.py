@@ -136,7 +136,7 @@ def reference(scale, steps, period, growth, backoff, hysteresis, min_scale, max_
                     max(np.float32(min_scale), np.float32(scale * np.float32(backoff)))
                 )
                 bad = 0
-        out.append((float(scale), good))
+        out.append((float(scale), good, bad))
     return out
 
 
@@ -172,8 +172,8 @@ def test_property_dynamic_loss_scale_matches_reference(
     )  # fmt: skip
     scales, counters = trajectory(ls, jnp.asarray(steps))
     ref = reference(init, steps, period, growth, backoff, hysteresis, min_scale, max_scale)
-    assert [float(s) for s in scales] == [s for s, _ in ref]
-    assert [int(c) for c in counters] == [c for _, c in ref]
+    assert [float(s) for s in scales] == [s for s, _, _ in ref]
+    assert [int(c) for c in counters] == [c for _, c, _ in ref]
     assert bool(jnp.all((scales >= min_scale) & (scales <= max_scale)))
 
 

