@@ -24,8 +24,8 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+from mpjax._src import hardware, transform
 from mpjax._src import loss_scale as ls_lib
-from mpjax._src import transform
 from mpjax._src.autocast import F32_REGION, autocast
 from mpjax._src.policy import Policy, cast_floating
 
@@ -273,6 +273,7 @@ def wrap(module: Any, policy: Policy, rules: Rules | None = None) -> Any:
             f"wrap needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
             "mpjax.Policy.from_level('O2')."
         )
+    hardware.warn_if_slow(policy)  # here, so the warning points at the caller's wrap()
     if isinstance(module, nn.Module):
         return LinenWrapped(module, policy, rules)
     if isinstance(module, nnx.Module):
