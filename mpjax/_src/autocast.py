@@ -139,7 +139,7 @@ class _Context:
         self.by_marker = {
             F32_REGION: "f32",
             HALF_REGION: "half",
-            **{k: v for k, v in rules.items()},
+            **rules,
         }
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:
@@ -187,7 +187,8 @@ def _target_dtype(
     return policy.compute_dtype, False
 
 
-def _fix_params(name: str, params: dict[str, Any], target: Any) -> dict[str, Any]:
+def _fix_params(params: dict[str, Any], target: Any) -> dict[str, Any]:
+    """A matmul's output dtype follows its (cast) operands."""
     pref = params.get("preferred_element_type")
     if pref is not None and _is_float(pref) and target is not None:
         params = {**params, "preferred_element_type": np.dtype(target)}
@@ -384,7 +385,7 @@ def _eval_eqn(
         else x
         for x, v in zip(invals, eqn.invars, strict=True)
     ]
-    return _bind(eqn, cast_vals, _fix_params(name, eqn.params, target)), hold
+    return _bind(eqn, cast_vals, _fix_params(eqn.params, target)), hold
 
 
 def _is_dynamic(x: Any) -> bool:
