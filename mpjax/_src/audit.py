@@ -186,6 +186,12 @@ def _conv_flops_and_alignment(line: str, ins: list, outs: list) -> tuple[int, bo
     return flops, in_ch % 8 == 0 and out_ch % 8 == 0
 
 
+def _lowered_collective(kind: str, line: str) -> Collective:
+    """A collective of the lowered program, its operand dtypes read from `line`'s types."""
+    ins, _ = _signature(line)
+    return Collective(kind, tuple(_TYPE_NAMES.get(t, t) for _, t in ins), "lowered")
+
+
 def _parse_stablehlo(
     text: str,
 ) -> tuple[list[MatmulOp], int, list[Risk], list[str], list[Collective]]:
@@ -199,9 +205,7 @@ def _parse_stablehlo(
     for line in text.splitlines():
         stripped = line.strip()
         if pending and stripped.startswith("})") and " : " in stripped:
-            ins, _ = _signature(stripped)
-            dtypes = tuple(_TYPE_NAMES.get(t, t) for _, t in ins)
-            collectives.append(Collective(pending, dtypes, "lowered"))
+            collectives.append(_lowered_collective(pending, stripped))
             pending = None
             continue
         if not stripped.startswith("%") or " = " not in stripped:
@@ -220,9 +224,7 @@ def _parse_stablehlo(
             if stripped.endswith("({"):  # the generic form: types follow the region
                 pending = _STABLEHLO_COLLECTIVES[op]
             else:
-                ins, _ = _signature(stripped)
-                dtypes = tuple(_TYPE_NAMES.get(t, t) for _, t in ins)
-                collectives.append(Collective(_STABLEHLO_COLLECTIVES[op], dtypes, "lowered"))
+                collectives.append(_lowered_collective(_STABLEHLO_COLLECTIVES[op], stripped))
             continue
         if op in ("stablehlo.dot_general", "stablehlo.convolution"):
             ins, outs = _signature(stripped)
