@@ -166,11 +166,9 @@ class LinenWrapped:
         if mutable is False:
             return self.policy.cast_to_output(out)
         out, state = out
-        stored = _cast_variables(state, self.policy)  # new collections: stats in float32
-        state = {
-            k: _cast_like(v, variables[k]) if k in variables else stored[k]
-            for k, v in state.items()
-        }
+        # Collections the caller passed keep their dtypes; new ones are stored per policy.
+        new = _cast_variables({k: v for k, v in state.items() if k not in variables}, self.policy)
+        state = {k: new[k] if k in new else _cast_like(v, variables[k]) for k, v in state.items()}
         return self.policy.cast_to_output(out), state
 
 
@@ -216,14 +214,14 @@ def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
     # NNX modules are plain objects called through their class's __call__: patch the classes
     # of matching submodules for the duration of the trace, keyed by instance.
     by_id: dict[int, str] = {}
+    originals: dict[type, Any] = {}
     for path, sub in nnx.iter_modules(model):
         marker = resolver.marker(sub, "/".join(str(p) for p in path))
-        if marker is not None:
-            by_id[id(sub)] = marker
-    originals: dict[type, Any] = {}
-    for _, sub in nnx.iter_modules(model):
+        if marker is None:
+            continue
+        by_id[id(sub)] = marker  # read at call time, so patching before the loop ends is fine
         cls = type(sub)
-        if id(sub) in by_id and cls not in originals:
+        if cls not in originals:
             originals[cls] = cls.__dict__.get("__call__")
             call = cls.__call__
 
