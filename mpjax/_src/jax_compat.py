@@ -1,0 +1,140 @@
+"""Every use of JAX internals (``jax._src``) in mpjax, each branch naming the JAX versions it serves.
+
+mpjax supports JAX 0.6.0 to the newest release. Public APIs are used wherever they exist; what
+follows has no public equivalent (evaluating and re-tracing jaxprs, custom-derivative rules,
+shard_map's manual axes, HLO source locations).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import core  # Literal, DropVar, Jaxpr, ClosedJaxpr: same names in 0.6-0.10
+from jax._src import linear_util as lu
+from jax._src import source_info_util
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax import lax as lax_internal
+
+Literal = core.Literal
+DropVar = core.DropVar
+Jaxpr = core.Jaxpr
+ClosedJaxpr = core.ClosedJaxpr
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+
+def literal_array(v: Any) -> np.ndarray:
+    """A Literal's value as a NumPy array of its aval's dtype.
+
+    JAX 0.6-0.8 store a Python scalar; 0.9+ a ``TypedFloat``/``TypedInt`` (which has no shape).
+    """
+    return np.asarray(v.val, dtype=v.aval.dtype)
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value of an array or tracer (``jax.typeof`` from 0.7, ``core.get_aval`` before)."""
+    typeof = getattr(jax, "typeof", None)
+    return typeof(x) if typeof is not None else core.get_aval(x)
+
+
+def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
+    """``convert_element_type`` that can also set the weak type (private in every version)."""
+    return lax_internal._convert_element_type(x, np.dtype(dtype), weak_type)
+
+
+def bind(primitive: Any, args: list[Any], params: dict[str, Any], wrap_rule: Any = None) -> Any:
+    """Binds `primitive` with the parameters an equation recorded.
+
+    `wrap_rule`, if given, maps each custom-derivative rule (a ``WrappedFun``) to a new one, so
+    that the rules run under autocast too.
+    """
+    bind_params = primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # JAX 0.6-0.7: (subfuns, params)
+        subfuns, bind_params = bind_params
+        subfuns = list(subfuns)
+        if wrap_rule is not None:
+            subfuns = subfuns[:1] + [wrap_rule(f) for f in subfuns[1:]]
+            if "bwd" in bind_params:  # custom_vjp_call_jaxpr (0.6): the rules are params
+                bind_params = dict(bind_params)
+                bind_params["bwd"] = wrap_rule(bind_params["bwd"])
+                thunk = bind_params["fwd_jaxpr_thunk"]
+                bind_params["fwd_jaxpr_thunk"] = _wrap_fwd_thunk(thunk, wrap_rule)
+        return primitive.bind(*subfuns, *args, **bind_params)
+    if wrap_rule is not None and "subfuns" in bind_params:  # JAX 0.8+: rules are subfuns
+        fun, *rules = bind_params["subfuns"]
+        bind_params = {**bind_params, "subfuns": (fun, *[wrap_rule(f) for f in rules])}
+    return primitive.bind(*args, **bind_params)
+
+
+def _wrap_fwd_thunk(thunk: Callable[..., Any], wrap_rule: Any) -> Callable[..., Any]:
+    """JAX 0.6-0.7: custom_vjp's forward rule is a thunk giving (jaxpr, consts)."""
+
+    def new_thunk(*zeros: Any) -> Any:
+        jaxpr, consts = thunk(*zeros)
+        fun = lu.wrap_init(core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, ())), debug_info=None)
+        wrapped = wrap_rule(lu.wrap_init(lambda *a: fun.call_wrapped(*consts, *a)))
+        closed = trace(wrapped.call_wrapped, [v.aval for v in jaxpr.invars[len(consts) :]])
+        return closed.jaxpr, closed.consts
+
+    return new_thunk
+
+
+def is_custom_rule_fun(f: Any) -> bool:
+    return isinstance(f, lu.WrappedFun)
+
+
+def wrap_fun(f: Any, new: Callable[..., Any]) -> Any:
+    """A ``WrappedFun`` calling `new`, keeping `f`'s debug info."""
+    return lu.wrap_init(new, debug_info=getattr(f, "debug_info", None))
+
+
+def trace(body: Callable[..., Any], avals: list[Any], context: Any = None) -> Any:
+    """Traces `body` at exactly `avals` (weak types and shard_map's varying axes included).
+
+    Values `body` closes over that are tracers of an enclosing trace become the jaxpr's consts.
+    """
+    from jax._src import api_util
+
+    debug = api_util.debug_info("mpjax.autocast", body, tuple(avals), {})
+    fun = lu.wrap_init(body, debug_info=debug)
+    with context or contextlib.nullcontext():
+        out = pe.trace_to_jaxpr_dynamic(fun, list(avals))
+    jaxpr, consts = out[0], out[2]  # (jaxpr, out_avals, consts[, attrs]) in 0.6-0.10
+    return core.ClosedJaxpr(jaxpr, consts)
+
+
+def current_name_stack() -> Any:
+    return source_info_util.current_name_stack()
+
+
+def user_context(traceback: Any, name_stack: Any) -> contextlib.AbstractContextManager[Any]:
+    return source_info_util.user_context(traceback, name_stack=name_stack)
+
+
+class CannotRebuild(Exception):
+    """A sub-jaxpr cannot be rebuilt in this JAX version; the equation then runs as traced."""
+
+
+@contextlib.contextmanager
+def shard_map_context(params: dict[str, Any]) -> Iterator[None]:
+    """The axis environment, manual mesh and vma checking that shard_map traces its body in.
+
+    JAX 0.7+ (``jax.shard_map``). In 0.6 shard_map bodies run as traced (CannotRebuild).
+    """
+    try:
+        from jax._src import config
+        from jax._src import shard_map as shard_map_internal
+        from jax._src.mesh import use_abstract_mesh
+    except ImportError:
+        raise CannotRebuild("shard_map bodies are rebuilt from JAX 0.7 on") from None
+    mesh, manual = params["mesh"], params.get("newly_manual_axes", frozenset())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(shard_map_internal._extend_axis_env(mesh, manual))
+        stack.enter_context(use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, manual)))
+        if hasattr(config, "_check_vma"):
+            stack.enter_context(config._check_vma(params.get("check_vma", True)))
+        yield
