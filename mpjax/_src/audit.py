@@ -1,98 +1,23 @@
-"""What ran in which precision: `audit` reads the lowered StableHLO (and the backend's
-optimized HLO) of a function and reports its matmuls, converts and half-precision risks."""
+"""What ran in which precision: `audit` walks a function's lowered StableHLO module through
+the MLIR Python bindings (and reads the backend's optimized HLO text), and reports its
+matmuls, converts and half-precision risks."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.mlir import ir
+from jax.extend.mlir.dialects import stablehlo
 
 from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE
 
-HALF_TYPES = ("f16", "bf16")
-_TYPE_NAMES = {
-    "f16": "float16",
-    "bf16": "bfloat16",
-    "f32": "float32",
-    "f64": "float64",
-}
-# StableHLO ops that the f32 list keeps in float32, by their f32-list name.
-_RISK_OPS = {
-    "stablehlo.exponential": "exp",
-    "stablehlo.exponential_minus_one": "expm1",
-    "stablehlo.log": "log",
-    "stablehlo.log_plus_one": "log1p",
-    "stablehlo.rsqrt": "rsqrt",
-    "stablehlo.power": "pow",
-    "stablehlo.tan": "tan",
-    "chlo.sinh": "sinh",
-    "chlo.cosh": "cosh",
-    "chlo.asin": "asin",
-    "chlo.acos": "acos",
-    "chlo.erf_inv": "erf_inv",
-}
-_TENSOR = re.compile(r"tensor<([^>]*)>")
-_LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
-
-
-def _parse_tensor(text: str) -> tuple[tuple[int, ...], str]:
-    """'4x3xbf16' -> ((4, 3), 'bf16'); 'f32' -> ((), 'f32')."""
-    parts = text.split("x")
-    dims = tuple(int(p) if p.isdigit() else -1 for p in parts[:-1])
-    return dims, parts[-1]
-
-
-def _signature(line: str) -> tuple[list[tuple[tuple[int, ...], str]], list[tuple]]:
-    """Operand and result tensor types from the trailing ': (...) -> ...' of an op line."""
-    body = _LOC_REF.sub("", line).rstrip()
-    if " : " not in body:
-        return [], []
-    sig = body.rsplit(" : ", 1)[1]
-    if "->" in sig:
-        ins, outs = sig.split("->", 1)
-    else:  # elementwise ops print one type for operands and result
-        ins = outs = sig
-    return [_parse_tensor(t) for t in _TENSOR.findall(ins)], [
-        _parse_tensor(t) for t in _TENSOR.findall(outs)
-    ]
-
-
-class _Locations:
-    """Resolves StableHLO '#locN' references to an op name and a source file:line."""
-
-    def __init__(self, text: str):
-        self.raw: dict[str, str] = {}
-        for line in text.splitlines():
-            m = re.match(r"^(#loc\d*) = loc\((.*)\)\s*$", line)
-            if m:
-                self.raw[m.group(1)] = m.group(2)
-
-    def resolve(self, ref: str, depth: int = 0) -> tuple[str | None, str | None]:
-        body = self.raw.get(ref)
-        if body is None or depth > 50:
-            return None, None
-        m = re.match(r'^"([^"]*)":(\d+):', body)
-        if m:
-            return None, f"{m.group(1)}:{m.group(2)}"
-        m = re.match(r"^callsite\((#loc\d*) at (#loc\d*)\)$", body)
-        if m:
-            name, src = self.resolve(m.group(1), depth + 1)
-            if src is None:
-                _, src = self.resolve(m.group(2), depth + 1)
-            return name, src
-        m = re.match(r'^"([^"]*)"\((#loc\d*)\)$', body)
-        if m:
-            _, src = self.resolve(m.group(2), depth + 1)
-            return m.group(1), src
-        m = re.match(r'^"([^"]*)"$', body)
-        if m:
-            return m.group(1), None
-        return None, None
+HALF_DTYPES = ("float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +37,7 @@ class MatmulOp:
     @property
     def half(self) -> bool:
         """Both operands in float16 or bfloat16."""
-        return all(d in ("float16", "bfloat16") for d in self.operand_dtypes)
+        return all(d in HALF_DTYPES for d in self.operand_dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +61,257 @@ class Collective:
     stage: str
 
 
+# -- the lowered StableHLO module, walked through the MLIR bindings ------------------------
+
+# StableHLO ops that the f32 list keeps in float32, by their f32-list name.
+_RISK_OPS = {
+    "stablehlo.exponential": "exp",
+    "stablehlo.exponential_minus_one": "expm1",
+    "stablehlo.log": "log",
+    "stablehlo.log_plus_one": "log1p",
+    "stablehlo.rsqrt": "rsqrt",
+    "stablehlo.power": "pow",
+    "stablehlo.tan": "tan",
+    "chlo.sinh": "sinh",
+    "chlo.cosh": "cosh",
+    "chlo.asin": "asin",
+    "chlo.acos": "acos",
+    "chlo.erf_inv": "erf_inv",
+}
+# A stablehlo.reduce whose body is one of these ops (and its return) is a sum or a product.
+_REDUCTIONS = {"stablehlo.add": "reduce_sum", "stablehlo.multiply": "reduce_prod"}
+_MATMULS = {"stablehlo.dot_general": "dot_general", "stablehlo.convolution": "convolution"}
 _STABLEHLO_COLLECTIVES = {
     "stablehlo.all_reduce": "all-reduce",
     "stablehlo.reduce_scatter": "reduce-scatter",
     "stablehlo.all_gather": "all-gather",
     "stablehlo.all_to_all": "all-to-all",
+}
+# Attributes naming the functions an op runs: func.call's callee, a composite's
+# decomposition, a custom call's called computations.
+_CALLEE_ATTRS = ("callee", "decomposition", "called_computations")
+_FLOAT_TYPES = (
+    (ir.F16Type, "float16"),
+    (ir.BF16Type, "bfloat16"),
+    (ir.F32Type, "float32"),
+    (ir.F64Type, "float64"),
+)
+
+
+def _dtype(element_type: Any) -> str:
+    """The NumPy name of an MLIR element type: 'float16', 'int32', 'bool'."""
+    for cls, name in _FLOAT_TYPES:
+        if isinstance(element_type, cls):
+            return name
+    if isinstance(element_type, ir.IntegerType):
+        if element_type.width == 1:
+            return "bool"
+        return f"{'uint' if element_type.is_unsigned else 'int'}{element_type.width}"
+    return str(element_type)  # float8, complex, ...: MLIR's name of the type
+
+
+def _tensor(value: Any) -> tuple[tuple[int, ...], str] | None:
+    """(shape, dtype) of a ranked tensor value (-1 for a dynamic dimension), else None."""
+    t = value.type
+    if not isinstance(t, ir.RankedTensorType):
+        return None
+    shape = tuple(-1 if t.is_dynamic_dim(i) else d for i, d in enumerate(t.shape))
+    return shape, _dtype(t.element_type)
+
+
+def _location_kind(loc: Any) -> str:
+    """'name', 'callsite', 'file', 'fused' or 'other': which kind of MLIR location `loc` is."""
+    if hasattr(loc, "is_a_name"):
+        # JAX 0.6 (tested on 0.6.0): one ir.Location class with is_a_* predicates.
+        for kind in ("name", "callsite", "file", "fused"):
+            if getattr(loc, f"is_a_{kind}")():
+                return kind
+        return "other"
+    # JAX 0.10 (tested on 0.10.2): ir.Location subclasses, to which a location read from an
+    # operation is already cast.
+    for cls, kind in (
+        ("NameLoc", "name"),
+        ("CallSiteLoc", "callsite"),
+        ("FileLineColLoc", "file"),
+        ("FusedLoc", "fused"),
+    ):
+        if isinstance(loc, getattr(ir, cls, ())):
+            return kind
+    return "other"
+
+
+def _describe(loc: Any) -> tuple[str | None, str | None]:
+    """(name, 'file:line') of an op's location: the outermost name (JAX's name stack, with
+    any mpjax_untouched scope) and the innermost source frame (the user's line)."""
+    kind = _location_kind(loc)
+    if kind == "name":
+        _, source = _describe(loc.child_loc)
+        return loc.name_str, source
+    if kind == "callsite":
+        name, source = _describe(loc.callee)
+        return name, source or _describe(loc.caller)[1]
+    if kind == "file":
+        return None, f"{loc.filename}:{loc.start_line}"
+    if kind == "fused":
+        name = source = None
+        for part in loc.locations:
+            part_name, part_source = _describe(part)
+            name, source = name or part_name, source or part_source
+        return name, source
+    return None, None
+
+
+def _symbol(op: Any) -> str | None:
+    attrs = op.attributes
+    return ir.StringAttr(attrs["sym_name"]).value if "sym_name" in attrs else None
+
+
+def _callees(op: Any) -> list[str]:
+    """The functions that `op` runs (by symbol), from its callee-like attributes."""
+    names = []
+    attrs = op.attributes
+    for key in _CALLEE_ATTRS:
+        if key not in attrs:
+            continue
+        attr = attrs[key]
+        refs = [attr[i] for i in range(len(attr))] if isinstance(attr, ir.ArrayAttr) else [attr]
+        names += [
+            ir.FlatSymbolRefAttr(r).value for r in refs if isinstance(r, ir.FlatSymbolRefAttr)
+        ]
+    return names
+
+
+def _operations(module: Any) -> Iterator[Any]:
+    """Every operation of `module` in program order, from its entry function: the regions of
+    loops, conditionals and collectives in place, and a called function's body at each call
+    (so the ops of a function called from two places come twice). Functions that no call
+    reaches are read once, at the end."""
+    funcs = {
+        name: op.operation
+        for op in module.body.operations
+        if op.operation.name == "func.func" and (name := _symbol(op.operation)) is not None
+    }
+    reached: set[str] = set()
+
+    def walk(op: Any, active: frozenset[str]) -> Iterator[Any]:
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    child = child.operation
+                    yield child
+                    yield from walk(child, active)
+                    for callee in _callees(child):
+                        if callee in funcs and callee not in active:  # no recursion in HLO
+                            reached.add(callee)
+                            yield from walk(funcs[callee], active | {callee})
+
+    entry = "main" if "main" in funcs else next(iter(funcs), None)
+    for name in [entry, *funcs]:
+        if name is not None and name not in reached:
+            reached.add(name)
+            yield from walk(funcs[name], frozenset({name}))
+
+
+def _dot_flops_and_alignment(
+    op: Any, lhs: tuple[int, ...], rhs: tuple[int, ...], out: tuple[int, ...]
+) -> tuple[int, bool]:
+    dims = stablehlo.DotDimensionNumbers(op.attributes["dot_dimension_numbers"])
+    lc, rc = list(dims.lhs_contracting_dimensions), list(dims.rhs_contracting_dimensions)
+    lb, rb = list(dims.lhs_batching_dimensions), list(dims.rhs_batching_dimensions)
+    k = math.prod(lhs[d] for d in lc)
+    free = [lhs[d] for d in range(len(lhs)) if d not in lc + lb] + [
+        rhs[d] for d in range(len(rhs)) if d not in rc + rb
+    ]
+    return 2 * math.prod(out) * k, all(n % 8 == 0 for n in [k, *free] if n > 1)
+
+
+def _conv_flops_and_alignment(
+    op: Any, lhs: tuple[int, ...], rhs: tuple[int, ...], out: tuple[int, ...]
+) -> tuple[int, bool]:
+    dims = stablehlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    out_ch = rhs[dims.kernel_output_feature_dimension]
+    in_ch = rhs[dims.kernel_input_feature_dimension]  # per feature group
+    flops = 2 * math.prod(out) * (math.prod(rhs) // max(out_ch, 1))
+    return flops, in_ch % 8 == 0 and out_ch % 8 == 0
+
+
+def _reduction(op: Any) -> str | None:
+    """'reduce_sum' or 'reduce_prod' for a reduce whose body is one add or multiply."""
+    body = [o.operation.name for region in op.regions for b in region.blocks for o in b.operations]
+    return _REDUCTIONS.get(body[0]) if len(body) == 2 and body[1] == "stablehlo.return" else None
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """What the walk of the lowered module found."""
+
+    matmuls: list[MatmulOp] = dataclasses.field(default_factory=list)
+    converts: int = 0
+    risks: list[Risk] = dataclasses.field(default_factory=list)
+    untouched: list[str] = dataclasses.field(default_factory=list)
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+
+
+def _read_module(module: Any) -> _Lowered:
+    """Walks a lowered StableHLO module (an MLIR ``ir.Module``) through the MLIR bindings:
+    op names, operand and result types, attributes and locations, never the module's text."""
+    found = _Lowered()
+    with module.context:
+        for op in _operations(module):
+            kind = op.name
+            name, source = _describe(op.location)
+            if name and UNTOUCHED_SCOPE + ":" in name:
+                prim = name.split(UNTOUCHED_SCOPE + ":", 1)[1].split("/", 1)[0]
+                if prim not in found.untouched:
+                    found.untouched.append(prim)
+            if kind == "stablehlo.convert":
+                found.converts += 1
+            elif kind in _STABLEHLO_COLLECTIVES:
+                dtypes = tuple(t[1] for v in op.operands if (t := _tensor(v)) is not None)
+                found.collectives.append(
+                    Collective(_STABLEHLO_COLLECTIVES[kind], dtypes, "lowered")
+                )
+            elif kind in _MATMULS:
+                ins = [_tensor(v) for v in list(op.operands)[:2]]
+                out = _tensor(op.results[0]) if len(op.results) else None
+                if len(ins) < 2 or ins[0] is None or ins[1] is None or out is None:
+                    continue
+                (lhs, lhs_dtype), (rhs, rhs_dtype) = ins[0], ins[1]
+                count = (
+                    _dot_flops_and_alignment
+                    if kind == "stablehlo.dot_general"
+                    else (_conv_flops_and_alignment)
+                )
+                flops, aligned = count(op, lhs, rhs, out[0])
+                found.matmuls.append(
+                    MatmulOp(
+                        kind=_MATMULS[kind],
+                        operand_dtypes=(lhs_dtype, rhs_dtype),
+                        result_dtype=out[1],
+                        operand_shapes=(lhs, rhs),
+                        result_shape=out[0],
+                        flops=flops,
+                        name=name,
+                        source=source,
+                        aligned=aligned,
+                    )
+                )
+            else:
+                risk = _reduction(op) if kind == "stablehlo.reduce" else _RISK_OPS.get(kind)
+                out = _tensor(op.results[0]) if risk and len(op.results) else None
+                if risk and out is not None and out[1] in HALF_DTYPES:
+                    found.risks.append(Risk(risk, out[1], out[0], name, source))
+    return found
+
+
+# -- the backend's optimized HLO: text, the only form it has -------------------------------
+
+# HLO's element type names.
+_TYPE_NAMES = {
+    "f16": "float16",
+    "bf16": "bfloat16",
+    "f32": "float32",
+    "f64": "float64",
 }
 _HLO_COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(.*?)\s(all-reduce|all-reduce-start|reduce-scatter|"
@@ -150,115 +321,6 @@ _HLO_COLLECTIVE = re.compile(
 
 def _dtypes_in(text: str) -> tuple[str, ...]:
     return tuple(_TYPE_NAMES[t] for t in re.findall(r"\b(bf16|f16|f32|f64)\[", text))
-
-
-def _dot_flops_and_alignment(line: str, ins: list, outs: list) -> tuple[int, bool]:
-    (lhs_shape, _), (rhs_shape, _) = ins[0], ins[1]
-    contracting = re.search(r"contracting_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", line)
-    batching = re.search(r"batching_dims = \[([\d, ]*)\] x \[([\d, ]*)\]", line)
-
-    def dims(text: str) -> list[int]:
-        return [int(d) for d in text.replace(" ", "").split(",") if d]
-
-    lc = dims(contracting.group(1)) if contracting else []
-    rc = dims(contracting.group(2)) if contracting else []
-    lb = dims(batching.group(1)) if batching else []
-    rb = dims(batching.group(2)) if batching else []
-    k = math.prod(lhs_shape[d] for d in lc)
-    flops = 2 * math.prod(outs[0][0]) * k
-    free = [lhs_shape[d] for d in range(len(lhs_shape)) if d not in lc + lb] + [
-        rhs_shape[d] for d in range(len(rhs_shape)) if d not in rc + rb
-    ]
-    aligned = all(n % 8 == 0 for n in [k, *free] if n > 1)
-    return flops, aligned
-
-
-def _conv_flops_and_alignment(line: str, ins: list, outs: list) -> tuple[int, bool]:
-    rhs_shape = ins[1][0]
-    m = re.search(r"\]x\[([^\]]*)\]->", line)
-    kernel_layout = [d.strip() for d in m.group(1).split(",")] if m else []
-    if "o" in kernel_layout and "i" in kernel_layout:
-        out_ch = rhs_shape[kernel_layout.index("o")]
-        in_ch = rhs_shape[kernel_layout.index("i")]
-    else:
-        out_ch, in_ch = rhs_shape[-1], rhs_shape[-2]
-    flops = 2 * math.prod(outs[0][0]) * (math.prod(rhs_shape) // max(out_ch, 1))
-    return flops, in_ch % 8 == 0 and out_ch % 8 == 0
-
-
-def _lowered_collective(kind: str, line: str) -> Collective:
-    """A collective of the lowered program, its operand dtypes read from `line`'s types."""
-    ins, _ = _signature(line)
-    return Collective(kind, tuple(_TYPE_NAMES.get(t, t) for _, t in ins), "lowered")
-
-
-def _parse_stablehlo(
-    text: str,
-) -> tuple[list[MatmulOp], int, list[Risk], list[str], list[Collective]]:
-    locs = _Locations(text)
-    matmuls: list[MatmulOp] = []
-    risks: list[Risk] = []
-    untouched: list[str] = []
-    collectives: list[Collective] = []
-    converts = 0
-    pending: str | None = None  # a region op (all_reduce) whose types close its region
-    for line in text.splitlines():
-        stripped = line.strip()
-        if pending and stripped.startswith("})") and " : " in stripped:
-            collectives.append(_lowered_collective(pending, stripped))
-            pending = None
-            continue
-        if not stripped.startswith("%") or " = " not in stripped:
-            continue
-        op = stripped.split(" = ", 1)[1].split(" ", 1)[0].split("(", 1)[0].strip('"')
-        ref = _LOC_REF.search(stripped)
-        name, source = locs.resolve(ref.group(1)) if ref else (None, None)
-        if name and UNTOUCHED_SCOPE in name:
-            prim = name.split(UNTOUCHED_SCOPE + ":", 1)[1].split("/", 1)[0]
-            if prim not in untouched:
-                untouched.append(prim)
-        if op == "stablehlo.convert":
-            converts += 1
-            continue
-        if op in _STABLEHLO_COLLECTIVES:
-            if stripped.endswith("({"):  # the generic form: types follow the region
-                pending = _STABLEHLO_COLLECTIVES[op]
-            else:
-                collectives.append(_lowered_collective(_STABLEHLO_COLLECTIVES[op], stripped))
-            continue
-        if op in ("stablehlo.dot_general", "stablehlo.convolution"):
-            ins, outs = _signature(stripped)
-            if len(ins) < 2 or not outs:
-                continue
-            if op == "stablehlo.dot_general":
-                flops, aligned = _dot_flops_and_alignment(stripped, ins, outs)
-            else:
-                flops, aligned = _conv_flops_and_alignment(stripped, ins, outs)
-            matmuls.append(
-                MatmulOp(
-                    kind=op.split(".", 1)[1],
-                    operand_dtypes=tuple(_TYPE_NAMES.get(t, t) for _, t in ins[:2]),
-                    result_dtype=_TYPE_NAMES.get(outs[0][1], outs[0][1]),
-                    operand_shapes=tuple(s for s, _ in ins[:2]),
-                    result_shape=outs[0][0],
-                    flops=flops,
-                    name=name,
-                    source=source,
-                    aligned=aligned,
-                )
-            )
-            continue
-        risk_name = _RISK_OPS.get(op)
-        if op == "stablehlo.reduce":
-            if "applies stablehlo.add" in stripped:
-                risk_name = "reduce_sum"
-            elif "applies stablehlo.multiply" in stripped:
-                risk_name = "reduce_prod"
-        if risk_name:
-            _, outs = _signature(stripped)
-            if outs and outs[0][1] in HALF_TYPES:
-                risks.append(Risk(risk_name, _TYPE_NAMES[outs[0][1]], outs[0][0], name, source))
-    return matmuls, converts, risks, untouched, collectives
 
 
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[[^=]*?\s([\w\-]+)\((.*)$")
@@ -460,24 +522,23 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
         raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     lowered = jitted.lower(*args, **kwargs)
-    text = lowered.as_text(debug_info=True)
-    matmuls, converts, risks, untouched, collectives = _parse_stablehlo(text)
+    found = _read_module(lowered.compiler_ir("stablehlo"))
     compiled = None
     if compile:
         try:
             compiled_matmuls, inserted = _parse_compiled(lowered.compile().as_text())
             compiled = tuple(compiled_matmuls)
-            collectives += inserted
+            found.collectives += inserted
         except Exception:  # noqa: BLE001 - the report stands without the optimized HLO
             compiled = None
     return AuditReport(
-        matmuls=tuple(matmuls),
-        converts=converts,
-        risks=tuple(risks),
-        untouched=tuple(untouched),
+        matmuls=tuple(found.matmuls),
+        converts=found.converts,
+        risks=tuple(found.risks),
+        untouched=tuple(found.untouched),
         compiled_matmuls=compiled,
         backend=jax.default_backend(),
-        collectives=tuple(collectives),
+        collectives=tuple(found.collectives),
     )
 
 
