@@ -120,15 +120,20 @@ def _tensor(value: Any) -> tuple[tuple[int, ...], str] | None:
 
 
 def _location_kind(loc: Any) -> str:
-    """'name', 'callsite', 'file', 'fused' or 'other': which kind of MLIR location `loc` is."""
+    """'name', 'callsite', 'file', 'fused' or 'other': which kind of MLIR location `loc` is.
+
+    The bindings' way to tell changed with MLIR (llvm-project#192630, April 2026); the two
+    branches below are the only version-specific part of the walk.
+    """
     if hasattr(loc, "is_a_name"):
-        # JAX 0.6 (tested on 0.6.0): one ir.Location class with is_a_* predicates.
+        # JAX 0.6.0 up to the releases on MLIR before that change (tested: 0.6.0): one
+        # ir.Location class with is_a_* predicates and every kind's accessors.
         for kind in ("name", "callsite", "file", "fused"):
             if getattr(loc, f"is_a_{kind}")():
                 return kind
         return "other"
-    # JAX 0.10 (tested on 0.10.2): ir.Location subclasses, to which a location read from an
-    # operation is already cast.
+    # Newer JAX (tested: 0.10.2): a subclass per kind (NameLoc, CallSiteLoc, ...), to which a
+    # location read from an operation or from another location is already cast.
     for cls, kind in (
         ("NameLoc", "name"),
         ("CallSiteLoc", "callsite"),
@@ -171,13 +176,10 @@ def _callees(op: Any) -> list[str]:
     names = []
     attrs = op.attributes
     for key in _CALLEE_ATTRS:
-        if key not in attrs:
-            continue
-        attr = attrs[key]
-        refs = [attr[i] for i in range(len(attr))] if isinstance(attr, ir.ArrayAttr) else [attr]
-        names += [
-            ir.FlatSymbolRefAttr(r).value for r in refs if isinstance(r, ir.FlatSymbolRefAttr)
-        ]
+        if key in attrs:
+            attr = attrs[key]
+            refs = list(attr) if isinstance(attr, ir.ArrayAttr) else [attr]
+            names += [r.value for r in refs if isinstance(r, ir.FlatSymbolRefAttr)]
     return names
 
 
@@ -371,7 +373,8 @@ class AuditReport:
     """What a function runs in which precision. ``str(report)`` is a table.
 
     Attributes:
-      matmuls: every dot_general and convolution of the lowered program.
+      matmuls: every dot_general and convolution of the lowered program, in program order
+        (those of a function called from several places once per call).
       converts: the number of dtype conversions.
       risks: float32-list ops (exp, log, rsqrt, sums, ...) that run in half precision.
       untouched: primitives autocast did not know and ran in their traced dtype.
@@ -434,7 +437,7 @@ class AuditReport:
 
         Example:
           >>> import jax.numpy as jnp, mpjax
-          >>> f = mpjax.autocast(lambda w, x: x @ w, mpjax.Policy.from_level("O2", "bfloat16"))
+          >>> f = lambda w, x: x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
           >>> mpjax.audit(f, jnp.ones((8, 8)), jnp.ones((8, 8))).assert_matmuls_in(jnp.bfloat16)
         """
         want = np.dtype(dtype).name
@@ -495,11 +498,14 @@ def _short(source: str | None) -> str:
 def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: Any) -> AuditReport:
     """Reports what `fn` runs in which precision, read from its lowered program.
 
-    Lowers ``fn(*args, **kwargs)`` (jitted or not) to StableHLO and lists every dot_general
-    and convolution with operand and result dtypes, shapes, FLOPs and source location; counts
-    converts; flags float32-list ops (exp, log, rsqrt, sums, ...) that run in half; and
-    advises on half matmuls not aligned to 8 (tensor cores). With `compile`, it also reads the
-    backend's optimized HLO to show the dtypes the matmuls really run in.
+    Lowers ``fn(*args, **kwargs)`` (jitted or not) to StableHLO and walks the module through
+    the MLIR Python bindings (its text changes between JAX releases; its structure does not):
+    loop, conditional and collective regions in place, and each called function's body at its
+    call. It lists every dot_general and convolution with operand and result dtypes, shapes,
+    FLOPs and source location; counts converts; flags float32-list ops (exp, log, rsqrt,
+    sums, ...) that run in half; and advises on half matmuls not aligned to 8 (tensor cores).
+    With `compile`, it also reads the backend's optimized HLO (text, the only form XLA gives)
+    to show the dtypes the matmuls really run in.
 
     Args:
       fn: the function, e.g. a jitted train step.
@@ -512,11 +518,14 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax
-      >>> policy = mpjax.Policy.from_level("O1", "float16")
-      >>> f = mpjax.autocast(lambda w, x: jax.nn.softmax(x @ w), policy)
+      >>> def f(w, x):  # all in float16 by hand, softmax's exp included
+      ...     return jax.nn.softmax(x.astype(jnp.float16) @ w.astype(jnp.float16))
       >>> report = mpjax.audit(f, jnp.ones((16, 8)), jnp.ones((4, 16)))
-      >>> report.half_flop_share, len(report.risks)
-      (1.0, 0)
+      >>> report.half_flop_share, [r.op for r in report.risks]
+      (1.0, ['exp'])
+
+      Under ``mpjax.autocast(f, mpjax.Policy.from_level("O1", "float16"))`` the matmul stays
+      in float16 and the exp runs in float32, so ``report.risks`` is empty.
     """
     if not callable(fn):
         raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
