@@ -30,18 +30,24 @@ ERRORS = [
     (lambda: mpjax.Policy.from_level(None), TypeError, "level must be a string"),
     (lambda: mpjax.Policy.from_level("O1", "float64"), ValueError, "float16 or bfloat16"),
     (lambda: mpjax.Policy.from_level("O1", lower_ops={"matmul"}), ValueError, "Unknown op name"),
-    (lambda: mpjax.Policy.from_level("O1", loss_scale=128), TypeError, "loss_scale=128.0"),
+    (lambda: mpjax.Policy.from_level("O1", loss_scale=0), ValueError, "positive finite float, got 0.0"),
+    (lambda: mpjax.Policy.from_level("O1", loss_scale=True), TypeError, "must be a float, got bool"),
     (lambda: mpjax.get_policy(None), TypeError, "takes a string"),
     (lambda: mpjax.get_policy("p=f32,c=fp8"), ValueError, "Unknown dtype 'fp8'"),
     (lambda: mpjax.get_policy("p:f32"), ValueError, "Unknown dtype 'p:f32'"),
     (lambda: mpjax.parse_dtype("quarter"), ValueError, "Unknown dtype 'quarter'"),
-    (lambda: mpjax.DynamicLossScale(2**15), TypeError, "loss_scale=32768.0"),
     (lambda: mpjax.DynamicLossScale(jnp.ones(3)), TypeError, "scalar float, got shape (3,)"),
+    (lambda: mpjax.StaticLossScale(np.ones((2, 2))), TypeError, "scalar float, got shape (2, 2)"),
     (lambda: mpjax.DynamicLossScale(None), TypeError, "must be a float"),
+    (lambda: mpjax.DynamicLossScale(float("nan")), ValueError, "finite and >= 0, got nan"),
+    (lambda: mpjax.DynamicLossScale(-2.0**15), ValueError, "finite and >= 0, got -32768.0"),
+    (lambda: mpjax.StaticLossScale(-1.0), ValueError, "finite and >= 0, got -1.0"),
+    (lambda: mpjax.DynamicLossScale(1.0, min_loss_scale=-1.0), ValueError, "min_loss_scale must be finite and >= 0"),
+    (lambda: jax.jit(lambda s: mpjax.StaticLossScale(s))(2.0), TypeError, "must be a concrete number"),
     (lambda: mpjax.DynamicLossScale(1.0, period=0), ValueError, "period must be an int >= 1"),
     (lambda: mpjax.DynamicLossScale(1.0, growth_factor=0.9), ValueError, "growth factor must be > 1"),
     (lambda: mpjax.DynamicLossScale(1.0, backoff_factor=2.0), ValueError, "backoff_factor must be in"),
-    (lambda: mpjax.StaticLossScale(float("nan")), ValueError, "positive finite"),
+    (lambda: mpjax.StaticLossScale(float("nan")), ValueError, "finite and >= 0, got nan"),
     (lambda: mpjax.DynamicLossScale(4.0).adjust(jnp.ones(2, bool)), ValueError, "boolean scalar"),
     (lambda: mpjax.select_tree(jnp.array(True), {"a": 1.0}, {"b": 1.0}), ValueError, "same structure"),
     (lambda: mpjax.loss_scale(optax.adam), TypeError, "call it first"),
@@ -76,6 +82,37 @@ def test_clear_errors(call, error, words):
     assert "mpjax" in info.traceback[-1].path.as_posix() or "test_bad_input" in str(
         info.traceback[-1].path
     )
+
+
+WARNINGS = [
+    # (call, words of the warning): jmp accepts these, so mpjax does, warning as jmp does or,
+    # where jmp is silent about a setting that skips every step, with a warning of its own.
+    (lambda: mpjax.DynamicLossScale(2**15), "Expected floating type for loss_scale, got int32"),
+    (lambda: mpjax.DynamicLossScale(8.0, min_loss_scale=1), "Expected floating type for min_loss_scale, got int32"),
+    (lambda: mpjax.StaticLossScale(0), "loss_scale=0 multiplies the loss by zero"),
+    (lambda: mpjax.DynamicLossScale(0.0), "loss_scale=0 multiplies the loss by zero"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("call, words", WARNINGS, ids=[w[1][:40] for w in WARNINGS])
+def test_clear_warnings_for_what_jmp_accepts(call, words):
+    with pytest.warns(UserWarning, match=words) as record:
+        call()
+    # Attributed to the caller's line, not to mpjax's internals.
+    assert all(w.filename == __file__ for w in record), [w.filename for w in record]
+
+
+def test_what_jmp_accepts_works():
+    # An int scale (the old mpjax raised), a whole float period and a zero floor, as jmp.
+    assert mpjax.StaticLossScale(2).loss_scale == 2.0
+    assert mpjax.Policy.from_level("O2", "float16", loss_scale=1024).loss_scale() == (
+        mpjax.StaticLossScale(1024.0)
+    )
+    ls = mpjax.DynamicLossScale(4.0, period=5.0, min_loss_scale=0.0)
+    assert (ls.period, ls.min_loss_scale) == (5, 0.0)
+    for _ in range(5):
+        ls = ls.adjust(jnp.array(False))
+    assert float(ls.loss_scale) == 0.125  # no floor
 
 
 def test_documented_no_ops():

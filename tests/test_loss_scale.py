@@ -1,6 +1,7 @@
 """Tests of the loss-scale pytrees against jmp, torch's GradScaler and plain reference models."""
 
 import pickle
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -238,27 +239,44 @@ def test_growth_is_capped_so_the_scale_is_never_inf():
 
 # -- torch GradScaler --------------------------------------------------------------------------
 
-TORCH_LIKE = dict(period=2000, growth_factor=2.0, backoff_factor=0.5, min_loss_scale=2.0**-30)
+# torch's GradScaler has no floor and no cap: min_loss_scale=0.0 is "no floor". The default
+# factor 2 halves on overflow (exactly torch's * 0.5) and doubles on growth.
+TORCH_LIKE = dict(period=2000, min_loss_scale=0.0, max_loss_scale=np.inf)
+# float32's smallest normal: below it XLA flushes the scale to zero, torch's CPU kernel does not.
+SMALLEST_NORMAL = 2.0**-126
 
 
 def test_torch_configuration_follows_gradscaler_reference(rng):
-    steps = random_steps(rng, 3000, 0.0005) + [False] * 20 + [True] * 2500
-    ls = mpjax.DynamicLossScale(2.0**16, **TORCH_LIKE, max_loss_scale=np.inf)
+    steps = random_steps(rng, 3000, 0.0005) + [False] * 20 + [True] * 2500 + [False] * 100
+    ls = mpjax.DynamicLossScale(2.0**16, **TORCH_LIKE)
     step = jax.jit(lambda s, f: s.adjust(f))
     ours = []
     for finite in steps:
         ls = step(ls, jnp.asarray(finite))
         ours.append(float(ls.loss_scale))
     assert ours == torch_reference(2.0**16, steps)
+    assert SMALLEST_NORMAL <= min(ours) < 2.0**-50  # far below 1: no floor
 
 
-def test_torch_configuration_matches_torch_gradscaler(rng):
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"growth_factor": 2.0, "backoff_factor": 0.5}],
+    ids=["jmp-factor", "torch-factors"],
+)
+def test_torch_configuration_matches_torch_gradscaler(rng, knobs, jit):
     torch = pytest.importorskip("torch")
-    steps = random_steps(rng, 40, 0.25) + [True] * 7 + [False] * 3
+    # Random steps, then 100 overflows in a row: the scale halves far below 1 (to between
+    # 2**-123 and 2**-75, normal floats), then grows back.
+    steps = random_steps(rng, 40, 0.25) + [True] * 7 + [False] * 100 + [True] * 12 + [False] * 3
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=5)
     param = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([param], lr=0.1)
-    ls = mpjax.DynamicLossScale(2.0**16, **{**TORCH_LIKE, "period": 5}, max_loss_scale=np.inf)
+    ls = mpjax.DynamicLossScale(
+        2.0**16, period=5, min_loss_scale=0.0, max_loss_scale=np.inf, **knobs
+    )
+    adjust = jax.jit(lambda s, f: s.adjust(f)) if jit else (lambda s, f: s.adjust(f))
+    seen = []
     for i, finite in enumerate(steps):
         opt.zero_grad()
         scaler.scale(param.sum()).backward()
@@ -266,10 +284,12 @@ def test_torch_configuration_matches_torch_gradscaler(rng):
             param.grad[1] = float("inf")
         scaler.step(opt)
         scaler.update()
-        ls = ls.adjust(jnp.asarray(finite))
+        ls = adjust(ls, jnp.asarray(finite))
         assert float(ls.loss_scale) == scaler.get_scale(), f"step {i}"
         if hasattr(scaler, "_get_growth_tracker"):  # private in torch; compared where present
             assert int(ls.counter) == int(scaler._get_growth_tracker()), f"step {i}"
+        seen.append(float(ls.loss_scale))
+    assert SMALLEST_NORMAL <= min(seen) < 2.0**-70
 
 
 # -- hysteresis (Paddle's decr_every_n_nan_or_inf) ----------------------------------------------
@@ -330,19 +350,117 @@ def test_select_tree_matches_jmp(rng):
 @pytest.mark.parametrize(
     "value, error, match",
     [
-        (1024, TypeError, "must be a float, got the int 1024; write loss_scale=1024.0"),
-        (jnp.int32(8), TypeError, "must be a float"),
-        (True, TypeError, "must be a float"),
-        (float("inf"), ValueError, "positive finite"),
-        (float("nan"), ValueError, "positive finite"),
-        (0.0, ValueError, "positive finite"),
-        (-1.0, ValueError, "positive finite"),
+        (True, TypeError, "must be a float, got bool"),
         ("big", TypeError, "must be a float"),
+        (None, TypeError, "must be a float"),
+        (jnp.ones(3), TypeError, r"scalar float, got shape \(3,\)"),
+        (jnp.complex64(1.0), TypeError, "must be a float, got dtype complex64"),
+        (float("inf"), ValueError, "finite"),
+        (float("nan"), ValueError, "finite"),
+        (-1.0, ValueError, "finite and >= 0, got -1.0"),
+        (-8, ValueError, "finite and >= 0, got -8.0"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Expected floating type")  # jmp's warning for -8 comes first
 def test_bad_scale_values(cls, value, error, match):
     with pytest.raises(error, match=match):
         cls(value)
+
+
+# -- what jmp accepts, mpjax accepts (and warns where jmp warns) --------------------------------
+
+
+def warnings_of(make):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = make()
+    return out, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("value", [2, 3, np.int64(1024), jnp.int32(8)], ids=str)
+def test_int_static_scale_is_accepted_silently_as_jmp(rng, value):
+    ours, our_warnings = warnings_of(lambda: mpjax.StaticLossScale(value))
+    theirs, their_warnings = warnings_of(lambda: jmp.StaticLossScale(value))
+    assert our_warnings == their_warnings == []
+    assert ours.loss_scale == float(value) and isinstance(ours.loss_scale, float)
+    tree = {"a": jnp.asarray(rng.normal(size=3), jnp.float32)}  # jmp scales int leaves too
+    for f in ("scale", "unscale"):
+        assert_trees_bit_identical(getattr(ours, f)(tree), getattr(theirs, f)(tree))
+
+
+@pytest.mark.parametrize(
+    "make_ours, make_theirs",
+    [
+        (
+            lambda m: m.DynamicLossScale(2**15),
+            lambda m: m.DynamicLossScale(2**15),
+        ),
+        (
+            lambda m: m.DynamicLossScale(jnp.asarray(4, jnp.int32)),
+            lambda m: m.DynamicLossScale(jnp.asarray(4, jnp.int32)),
+        ),
+        (
+            lambda m: m.DynamicLossScale(4.0, min_loss_scale=2),
+            lambda m: m.DynamicLossScale(jnp.float32(4.0), min_loss_scale=2),
+        ),
+        (
+            lambda m: m.DynamicLossScale(8, min_loss_scale=jnp.asarray(1, jnp.int32)),
+            lambda m: m.DynamicLossScale(8, min_loss_scale=jnp.asarray(1, jnp.int32)),
+        ),
+    ],
+    ids=["python-int", "int32-array", "int-min", "both"],
+)
+def test_int_dynamic_settings_warn_with_jmps_words_and_work(make_ours, make_theirs):
+    ours, our_warnings = warnings_of(lambda: make_ours(mpjax))
+    _, their_warnings = warnings_of(lambda: make_theirs(jmp))
+    assert our_warnings == their_warnings != []
+    assert all(w.startswith("Expected floating type for ") for w in our_warnings)
+    # Unlike jmp (whose int scale then fails in adjust), the state is float32 and it runs.
+    assert ours.loss_scale.dtype == np.float32 and isinstance(ours.min_loss_scale, float)
+    for finite in (False, True, False):
+        ours = jax.jit(lambda s, f: s.adjust(f))(ours, jnp.asarray(finite))
+    assert ours.loss_scale.dtype == np.float32 and np.isfinite(float(ours.loss_scale))
+
+
+def test_float_settings_do_not_warn():
+    _, caught = warnings_of(lambda: mpjax.DynamicLossScale(2.0**15, min_loss_scale=0.5))
+    assert caught == []
+    _, caught = warnings_of(lambda: mpjax.DynamicLossScale(jnp.float16(8.0), period=5.0))
+    assert caught == []
+
+
+@pytest.mark.filterwarnings("ignore:Expected floating type")
+@pytest.mark.parametrize("cls", ["StaticLossScale", "DynamicLossScale"])
+@pytest.mark.parametrize("zero", [0, 0.0], ids=["int", "float"])
+def test_zero_scale_is_accepted_as_jmp_with_a_warning(cls, zero):
+    with pytest.warns(UserWarning, match="multiplies the loss by zero.*every step is skipped"):
+        ls = getattr(mpjax, cls)(zero)
+    assert float(ls.loss_scale) == 0.0
+    assert len(jax.tree_util.tree_leaves(ls)) == (0 if cls == "StaticLossScale" else 2)
+    # A tree_map or a jit boundary does not warn again.
+    _, caught = warnings_of(lambda: jax.jit(lambda s: s)(ls))
+    assert caught == []
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+    "period, factor, min_scale",
+    [(5.0, 2.0, 0.0), (4, 2, 0.0), (3.0, 3, 0.37), (np.float32(6), 2.0, 0.5)],
+    ids=["float-period-no-floor", "no-floor", "float-period", "np-float-period"],
+)
+def test_float_period_and_zero_floor_follow_jmp(rng, period, factor, min_scale, jit):
+    # jmp's own test passes period=5.0 and min_loss_scale=0.0; both must run as jmp runs them.
+    steps = random_steps(rng, 40, 0.3) + [False] * 60 + [True] * 13
+    ours = mpjax.DynamicLossScale(10.0, 0, period, factor, min_scale, max_loss_scale=np.inf)
+    assert ours.period == int(period) and isinstance(ours.period, int)
+    assert ours.min_loss_scale == min_scale
+    theirs = jmp.DynamicLossScale(
+        jnp.float32(10.0), jnp.int32(0), period, factor, jnp.asarray(min_scale, jnp.float32)
+    )
+    # jmp runs eagerly only: under jit it loses min_loss_scale (see the test above).
+    for i, (a, b) in enumerate(zip(run(ours, steps, jit), run(theirs, steps))):
+        assert float(a.loss_scale) == pytest.approx(float(b.loss_scale), rel=1e-6), f"step {i}"
+        assert int(a.counter) == int(b.counter), f"step {i}"
 
 
 @pytest.mark.parametrize(
@@ -355,8 +473,12 @@ def test_bad_scale_values(cls, value, error, match):
         ({"backoff_factor": 0.0}, r"backoff_factor must be in \(0, 1\)"),
         ({"period": 0}, "period must be an int >= 1"),
         ({"period": 2.5}, "period must be an int >= 1"),
+        ({"period": 0.0}, "period must be an int >= 1"),
+        ({"period": True}, "period must be an int >= 1"),
         ({"hysteresis": 0}, "hysteresis must be an int >= 1"),
-        ({"min_loss_scale": 0.0}, "min_loss_scale must be a positive"),
+        ({"min_loss_scale": -1.0}, "min_loss_scale must be finite and >= 0"),
+        ({"min_loss_scale": float("nan")}, "min_loss_scale must be finite and >= 0"),
+        ({"min_loss_scale": float("inf")}, "min_loss_scale must be finite and >= 0"),
         ({"max_loss_scale": 0.5}, "must be >= min_loss_scale"),
         ({"max_loss_scale": 2.0**10}, "above max_loss_scale"),
     ],

@@ -202,6 +202,10 @@ def test_overrides_that_make_sense():
     assert isinstance(bf.loss_scale(), mpjax.DynamicLossScale)
     static = mpjax.Policy.from_level("O2", "float16", loss_scale=1024.0).loss_scale()
     assert isinstance(static, mpjax.StaticLossScale) and static.loss_scale == 1024.0
+    # An int is accepted, as jmp's StaticLossScale accepts one, and kept as a float.
+    from_int = mpjax.Policy.from_level("O2", "float16", loss_scale=1024)
+    assert from_int == mpjax.Policy.from_level("O2", "float16", loss_scale=1024.0)
+    assert from_int.loss_scaling == 1024.0 and isinstance(from_int.loss_scaling, float)
     none = mpjax.Policy.from_level("O2", "float16", loss_scale="none").loss_scale()
     assert isinstance(none, mpjax.NoOpLossScale)
 
@@ -209,7 +213,8 @@ def test_overrides_that_make_sense():
 @pytest.mark.parametrize(
     "bad, error, match",
     [
-        (1024, TypeError, "must be a float, got the int 1024; write loss_scale=1024.0"),
+        (True, TypeError, "must be a float, got bool"),
+        (0, ValueError, "positive finite"),
         (float("inf"), ValueError, "positive finite"),
         (float("nan"), ValueError, "positive finite"),
         (-2.0, ValueError, "positive finite"),

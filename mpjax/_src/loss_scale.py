@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -23,22 +24,48 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def check_scale_value(value: Any, name: str) -> float:
-    """Returns a loss-scale setting as a Python float, or raises a clear error.
+def _jax_dtype(value: Any) -> np.dtype | None:
+    # The dtype jax gives a number (a Python int is int32), as jmp's warning reports it;
+    # None for anything that is not a number or an array.
+    if hasattr(value, "dtype"):
+        return np.dtype(value.dtype)
+    if isinstance(value, (int, float)):
+        return np.dtype(jnp.result_type(value))
+    return None
+
+
+def _warn_if_not_floating(dtype: Any, name: str, stacklevel: int) -> None:
+    # jmp's warn_if_not_floating, word for word: jmp accepts an integer scale with this warning.
+    if not jnp.issubdtype(dtype, jnp.floating):
+        warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=stacklevel)
+
+
+def scalar_setting(
+    value: Any,
+    name: str,
+    *,
+    positive: bool = False,
+    jmp_warning: bool = False,
+    stacklevel: int = 3,
+) -> float:
+    """Returns a concrete, finite, non-negative number (a scale or a bound) as a Python float.
+
+    Integers are accepted, as jmp accepts them. With `jmp_warning`, a non-float value warns
+    as jmp's ``DynamicLossScale`` does ("Expected floating type for ...").
 
     Raises:
-      TypeError: for an integer, bool or non-numeric value.
-      ValueError: for a non-finite or non-positive value.
+      TypeError: for a bool, a non-number, a non-scalar or a traced value.
+      ValueError: for a NaN, infinite or negative value (or zero, with `positive`).
     """
-    if isinstance(value, (bool, np.bool_)) or (
-        hasattr(value, "dtype") and not jnp.issubdtype(value.dtype, jnp.floating)
-    ):
-        raise TypeError(f"{name} must be a float, got {value!r}; write e.g. {name}=2.0**15.")
-    if isinstance(value, (int, np.integer)):
+    dtype = _jax_dtype(value)
+    if isinstance(value, (bool, np.bool_)) or dtype is None or dtype == np.bool_:
+        # jmp would take True as 1; a flag passed by mistake should not become a scale.
         raise TypeError(
-            f"{name} must be a float, got the int {value}; write {name}={float(value)!r} "
-            "(an int scale would make jax trace integer arithmetic)."
+            f"{name} must be a float, got {type(value).__name__} {value!r}; "
+            "pass a number such as 2.0**15."
         )
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{name} must be a float, got dtype {dtype}.")
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"{name} must be a concrete number, got a traced value; it is static "
@@ -46,13 +73,36 @@ def check_scale_value(value: Any, name: str) -> float:
         )
     if np.ndim(value) != 0:
         raise TypeError(f"{name} must be a scalar float, got shape {np.shape(value)}.")
-    try:
-        result = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}.") from None
-    if not math.isfinite(result) or result <= 0:
+    if jmp_warning:
+        _warn_if_not_floating(dtype, name, stacklevel + 1)
+    result = float(value)
+    if positive and not (math.isfinite(result) and result > 0):
         raise ValueError(f"{name} must be a positive finite float, got {result}.")
+    if not (math.isfinite(result) and result >= 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {result}.")
     return result
+
+
+def _warn_if_zero(value: float, name: str, stacklevel: int) -> None:
+    if value == 0:
+        # jmp accepts a zero scale silently; it zeroes every loss, so every step would be skipped.
+        warnings.warn(
+            f"{name}=0 multiplies the loss by zero: every gradient unscales to nan and every "
+            "step is skipped. Use a positive scale such as 2.0**15.",
+            stacklevel=stacklevel,
+        )
+
+
+def check_scale_value(value: Any, name: str) -> float:
+    """Returns a loss-scale setting as a positive Python float, or raises a clear error.
+
+    An int is accepted and converted (``1024`` gives ``1024.0``).
+
+    Raises:
+      TypeError: for a bool, a non-numeric, non-scalar or traced value.
+      ValueError: for a non-finite or non-positive value.
+    """
+    return scalar_setting(value, name, positive=True)
 
 
 def _wide(x: Any) -> Any:
@@ -118,11 +168,19 @@ class StaticLossScale:
     part of the tree structure and survives any ``tree_map``.
 
     Args:
-      loss_scale: a positive finite float (an int is rejected: write ``1024.0``).
+      loss_scale: a finite, non-negative number. An int is accepted and stored as a float, as
+        jmp accepts it (``StaticLossScale(2)``); zero is accepted, as jmp does, with a warning
+        (it would skip every step).
+
+    Raises:
+      TypeError: for a bool, a non-number, an array that is not a scalar, or a traced value.
+      ValueError: for a NaN, infinite or negative scale.
 
     Example:
       >>> import jax.numpy as jnp, mpjax
-      >>> ls = mpjax.StaticLossScale(128.0)
+      >>> ls = mpjax.StaticLossScale(128)
+      >>> ls.loss_scale
+      128.0
       >>> float(ls.unscale(ls.scale(jnp.float32(0.5))))
       0.5
     """
@@ -130,7 +188,9 @@ class StaticLossScale:
     loss_scale: float
 
     def __init__(self, loss_scale: Any):
-        object.__setattr__(self, "loss_scale", check_scale_value(loss_scale, "loss_scale"))
+        value = scalar_setting(loss_scale, "loss_scale")
+        _warn_if_zero(value, "loss_scale", stacklevel=3)
+        object.__setattr__(self, "loss_scale", value)
 
     def scale(self, tree: T) -> T:
         """Multiplies the floating leaves of `tree` by the scale (in float32)."""
@@ -149,11 +209,32 @@ class StaticLossScale:
 jax.tree_util.register_pytree_node(
     NoOpLossScale, lambda x: ((), None), lambda aux, children: NoOpLossScale()
 )
-jax.tree_util.register_pytree_node(
-    StaticLossScale,
-    lambda x: ((), x.loss_scale),
-    lambda aux, children: StaticLossScale(aux),
-)
+
+
+def _static_unflatten(aux: float, children: Any) -> StaticLossScale:
+    del children
+    new = object.__new__(StaticLossScale)  # the value was checked when it was first built
+    object.__setattr__(new, "loss_scale", aux)
+    return new
+
+
+jax.tree_util.register_pytree_node(StaticLossScale, lambda x: ((), x.loss_scale), _static_unflatten)
+
+
+def _check_period(period: Any) -> int:
+    # jmp takes any number (its own tests pass period=5.0); a whole float is a whole period.
+    if isinstance(period, (int, np.integer)) and not isinstance(period, (bool, np.bool_)):
+        value = int(period)
+    elif isinstance(period, (float, np.floating)) and float(period).is_integer():
+        value = int(period)
+    else:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"period must be an int >= 1 (a whole float such as 5.0 is accepted), got {period!r}."
+        )
+    return value
+
 
 _STATIC_FIELDS = (
     "period",
@@ -182,11 +263,17 @@ class DynamicLossScale:
     ``tree_map``, ``jit``, ``.lower()``, ``vmap`` and pickling (jmp loses ``min_loss_scale``).
 
     Args:
-      loss_scale: the initial scale, a positive float (a float16 value is kept in float32).
+      loss_scale: the initial scale, a finite non-negative number, kept in float32 (so a
+        float16 value works). As jmp, an integer is accepted with jmp's warning "Expected
+        floating type for loss_scale", and zero is accepted (with a warning: no step would
+        ever be finite).
       counter: consecutive finite steps so far (int32).
-      period: finite steps between growths (torch's ``growth_interval``).
+      period: finite steps between growths (torch's ``growth_interval``); an int, or a whole
+        float such as ``5.0`` (jmp accepts it).
       factor: jmp's single factor: grow by it, back off by ``1 / factor``.
-      min_loss_scale: the scale never backs off below this.
+      min_loss_scale: the scale never backs off below this; ``0.0`` means no floor, as
+        torch's GradScaler. An integer warns as jmp does ("Expected floating type for
+        min_loss_scale").
       growth_factor: growth factor (default `factor`); must be > 1.
       backoff_factor: backoff multiplier (default ``1 / factor``); must be in (0, 1).
       hysteresis: back off on this many consecutive non-finite steps (default 1).
@@ -195,6 +282,10 @@ class DynamicLossScale:
 
     References:
       Micikevicius et al., 2018, "Mixed Precision Training", https://arxiv.org/abs/1710.03740
+
+    Raises:
+      TypeError: for a bool, non-numeric, non-scalar or traced setting.
+      ValueError: for a NaN, infinite or negative scale or bound, or a knob out of range.
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -232,11 +323,15 @@ class DynamicLossScale:
         bad_steps: Any = None,
     ):
         if _is_concrete(loss_scale):
-            check_scale_value(loss_scale, "loss_scale")
+            _warn_if_zero(
+                scalar_setting(loss_scale, "loss_scale", jmp_warning=True), "loss_scale", 3
+            )
+        elif jnp.issubdtype(loss_scale.dtype, jnp.integer):
+            _warn_if_not_floating(loss_scale.dtype, "loss_scale", 3)
         elif not jnp.issubdtype(loss_scale.dtype, jnp.floating):
             raise TypeError(f"loss_scale must be a float, got dtype {loss_scale.dtype}.")
-        if not isinstance(period, (int, np.integer)) or isinstance(period, bool) or period < 1:
-            raise ValueError(f"period must be an int >= 1, got {period!r}.")
+        min_f = scalar_setting(min_loss_scale, "min_loss_scale", jmp_warning=True)
+        period_i = _check_period(period)
         if not isinstance(hysteresis, (int, np.integer)) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}.")
         factor_f = float(factor)
@@ -254,10 +349,7 @@ class DynamicLossScale:
                 f"backoff_factor must be in (0, 1) (the scale has to shrink on overflow), got "
                 f"{backoff_factor}; torch uses 0.5."
             )
-        min_f = float(min_loss_scale)  # ints are fine for bounds (jmp's default is an array)
         max_f = float(max_loss_scale)
-        if not (math.isfinite(min_f) and min_f > 0):
-            raise ValueError(f"min_loss_scale must be a positive finite number, got {min_f}.")
         if not max_f >= min_f:
             raise ValueError(f"max_loss_scale ({max_f}) must be >= min_loss_scale ({min_f}).")
         scale_f32 = jnp.asarray(loss_scale, jnp.float32)
@@ -269,7 +361,7 @@ class DynamicLossScale:
         values = {
             "loss_scale": scale_f32,
             "counter": jnp.asarray(0 if counter is None else counter, jnp.int32),
-            "period": int(period),
+            "period": period_i,
             "factor": factor,
             "min_loss_scale": min_f,
             "growth_factor": growth,
