@@ -6,6 +6,9 @@ Rules map a module class (subclasses included) or a module path glob to a policy
 e.g. ``{nn.BatchNorm: "O0", "decoder/*": "O1"}``; the innermost matching module decides, a
 path rule beats a class rule for the same module, and a subclass's rule beats its base's.
 With ``keep_norm_fp32`` (the default at O1/O2) every normalization layer runs in float32.
+Rules also reach modules run inside linen's lifted transforms and NNX's (``nnx.scan``,
+``vmap``, ``remat``, ``jit``, ``cond``, the loops), e.g. a stack of layers made with
+``nnx.vmap`` and run with ``nnx.scan``; such a stack has one path (``"blocks/norm"``).
 """
 
 from __future__ import annotations
@@ -209,17 +212,24 @@ class NNXWrapped(nnx.Module):
         return self.policy.cast_to_output(out)
 
 
+# The region marker of an NNX module, stored on the module itself: a plain string attribute is
+# static, so it lives in the graphdef and survives nnx.split/merge, which is how nnx.scan,
+# vmap, remat, jit, cond and the loops hand a module to their body (as a new object).
+_MARKER_ATTR = "_mpjax_marker"
+
+
 @contextlib.contextmanager
 def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
-    # NNX modules are plain objects called through their class's __call__: patch the classes
-    # of matching submodules for the duration of the trace, keyed by instance.
-    by_id: dict[int, str] = {}
+    # NNX modules are plain objects called through their class's __call__: mark each submodule
+    # of `model` (a copy made for this trace) and patch the classes of the marked ones for the
+    # duration of the trace; the patched __call__ reads the mark of whichever object it gets.
     originals: dict[type, Any] = {}
     for path, sub in nnx.iter_modules(model):
         marker = resolver.marker(sub, "/".join(str(p) for p in path))
+        # Every module is written, so a mark left by an enclosing wrapper cannot leak in here.
+        setattr(sub, _MARKER_ATTR, marker)
         if marker is None:
             continue
-        by_id[id(sub)] = marker  # read at call time, so patching before the loop ends is fine
         cls = type(sub)
         if cls not in originals:
             originals[cls] = cls.__dict__.get("__call__")
@@ -227,7 +237,7 @@ def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
 
             @functools.wraps(call)
             def marked(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
-                marker = by_id.get(id(self))
+                marker = getattr(self, _MARKER_ATTR, None)
                 if marker is None:
                     return __call(self, *a, **k)
                 with jax.named_scope(f"mpjax:{marker}"):
@@ -252,7 +262,9 @@ def wrap(module: Any, policy: Policy, rules: Rules | None = None) -> Any:
       policy: the precision policy, e.g. ``mpjax.Policy.from_level("O2")``.
       rules: per-module policies: keys are module classes (subclasses included) or path globs
         (``"decoder/*"``, ``"*/attention"``), values are a Policy or a level string. The
-        innermost matching module decides; a path rule beats a class rule.
+        innermost matching module decides; a path rule beats a class rule. Rules reach
+        modules inside linen and NNX transforms; layers stacked with ``nnx.vmap`` share one
+        path (``"blocks/norm"``, not ``"blocks/0/norm"``).
 
     Returns:
       For linen, an object with linen's ``init`` and ``apply`` (usable as a TrainState's

@@ -1,0 +1,287 @@
+"""NNX lifted transforms under mpjax.flax.wrap: rules and keep_norm_fp32 reach the modules
+that nnx.scan, vmap, remat, jit, cond and the loops hand to their bodies."""
+
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_autocast import F32, HALF, RTOL, in_dtypes, rel_err
+
+import mpjax
+import mpjax.flax
+
+F16 = HALF["float16"]
+DEPTH, WIDTH = 3, 16
+# Flax 0.12 added tree mode (graph=False) to the NNX transforms; older Flax has graph mode only.
+GRAPH_MODES = [None, False] if "graph" in inspect.signature(nnx.scan).parameters else [None]
+
+
+class Block(nnx.Module):
+    """Linear, LayerNorm, gelu. The norm's gain keeps activations in the hundreds, so every
+    LayerNorm's variance (~1e5) overflows float16 (max 65504) unless it runs in float32."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+        self.norm = nnx.LayerNorm(WIDTH, scale_init=nnx.initializers.constant(500.0), rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.gelu(self.norm(self.lin(x)))
+
+
+def apply_scan(blocks, x, graph=None):
+    kw = {} if graph is None else {"graph": graph}
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **kw)
+    def body(x, block):
+        return block(x)
+
+    return body(x, blocks)
+
+
+def apply_remat_scan(blocks, x, graph=None):
+    kw = {} if graph is None else {"graph": graph}
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, **kw)
+    @nnx.remat(**kw)
+    def body(x, block):
+        return block(x)
+
+    return body(x, blocks)
+
+
+def layers(blocks):
+    """The stacked blocks one by one, as separate modules (for the unrolled forms)."""
+    graphdef, state = nnx.split(blocks)
+    return [
+        nnx.merge(graphdef, jax.tree_util.tree_map(lambda a: a[i], state)) for i in range(DEPTH)
+    ]
+
+
+def apply_unrolled(blocks, x, graph=None):
+    for block in layers(blocks):
+        x = block(x)
+    return x
+
+
+def apply_jit(blocks, x, graph=None):
+    kw = {} if graph is None else {"graph": graph}
+    for block in layers(blocks):
+        x = nnx.jit(lambda b, x: b(x), **kw)(block, x)
+    return x
+
+
+def apply_cond(blocks, x, graph=None):
+    kw = {} if graph is None else {"graph": graph}
+    for block in layers(blocks):
+        x = nnx.cond(x.sum() < np.inf, lambda b, x: b(x), lambda b, x: -b(x), block, x, **kw)
+    return x
+
+
+def apply_fori_loop(blocks, x, graph=None):
+    kw = {} if graph is None else {"graph": graph}
+    for block in layers(blocks):
+        # Applies the block once, inside the loop body.
+        _, x = nnx.fori_loop(0, 1, lambda i, bx: (bx[0], bx[0](bx[1])), (block, x), **kw)
+    return x
+
+
+def apply_while_loop(blocks, x, graph=None):
+    kw = {} if graph is None else {"graph": graph}
+    for block in layers(blocks):
+        _, x, _ = nnx.while_loop(
+            lambda s: s[2] < 1, lambda s: (s[0], s[0](s[1]), s[2] + 1), (block, x, 0), **kw
+        )
+    return x
+
+
+APPLY = {
+    "scan": apply_scan,
+    "remat_scan": apply_remat_scan,
+    "unrolled": apply_unrolled,
+    "jit": apply_jit,
+    "cond": apply_cond,
+    "fori_loop": apply_fori_loop,
+    "while_loop": apply_while_loop,
+}
+
+
+class Stack(nnx.Module):
+    """The scan-over-layers pattern of the Flax NNX docs: nnx.vmap makes the stacked blocks,
+    a transform from APPLY runs them."""
+
+    def __init__(self, rngs, apply="scan", graph=None):
+        @nnx.split_rngs(splits=DEPTH)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rngs)
+
+        self.blocks = create(rngs)
+        self.apply = apply
+        self.graph = graph
+
+    def __call__(self, x):
+        return APPLY[self.apply](self.blocks, x, self.graph)
+
+
+class Ensemble(nnx.Module):
+    """Members made and run with nnx.vmap (one member per input row)."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=DEPTH)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return Block(rngs)
+
+        self.members = create(rngs)
+
+    def __call__(self, x):
+        return nnx.vmap(lambda m, x: m(x), in_axes=(0, 0))(self.members, x)
+
+
+def big_inputs(rng, shape=(4, WIDTH)):
+    """Values of a few hundred, either sign: their squares overflow float16."""
+    return jnp.asarray(rng.uniform(300, 1000, size=shape) * rng.choice([-1, 1], shape), F32)
+
+
+def reference(x, apply="unrolled"):
+    """The same model (same seed) unrolled, in float32 at full matmul precision."""
+    with jax.default_matmul_precision("highest"):
+        return Stack(nnx.Rngs(0), apply)(x)
+
+
+def traced(model, x, name="dot_general"):
+    graphdef, state = nnx.split(model)
+    fn = lambda state: nnx.merge(graphdef, state)(x)
+    return in_dtypes(fn, state, name=name)
+
+
+@pytest.mark.parametrize("graph", GRAPH_MODES, ids=lambda g: "tree" if g is False else "graph")
+@pytest.mark.parametrize("apply", list(APPLY))
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_keep_norm_fp32_reaches_layers_inside_nnx_transforms(level, apply, graph, rng):
+    x = big_inputs(rng)
+    ref = reference(x)
+    policy = mpjax.Policy.from_level(level, "float16")
+    model = mpjax.flax.wrap(Stack(nnx.Rngs(0), apply, graph), policy)
+    for out in (model(x), nnx.jit(lambda m, x: m(x))(model, x)):
+        assert out.dtype == F32 and np.isfinite(np.asarray(out)).all()
+        assert rel_err(out, ref) < RTOL["float16"], (apply, rel_err(out, ref))
+    # The matmuls still run in half; only the norms were kept in float32.
+    assert set(traced(model, x)) == {(F16, F16)}
+
+
+@pytest.mark.parametrize("apply", ["scan", "unrolled"])
+def test_the_inputs_do_overflow_a_half_layernorm(apply, rng):
+    # Guards the test above: without keep_norm_fp32 the same model is badly wrong.
+    x = big_inputs(rng)
+    policy = mpjax.Policy.from_level("O2", "float16", keep_norm_fp32=False)
+    model = mpjax.flax.wrap(Stack(nnx.Rngs(0), apply), policy)
+    assert not rel_err(model(x), reference(x)) < 0.1  # nan or far off
+
+
+def test_gradients_through_the_scanned_stack_are_finite_and_match_float32(rng):
+    x = big_inputs(rng)
+    target = jnp.asarray(rng.normal(size=x.shape) * 100, F32)
+
+    def loss(model):
+        return jnp.mean((model(x).astype(F32) - target) ** 2)
+
+    ref_model = Stack(nnx.Rngs(0), "unrolled")
+    with jax.default_matmul_precision("highest"):
+        ref_grads = nnx.grad(loss)(ref_model)
+    policy = mpjax.Policy.from_level("O2", "float16")
+    model = mpjax.flax.wrap(Stack(nnx.Rngs(0), "scan"), policy)
+    grads = nnx.jit(nnx.grad(loss))(model)
+    flat = jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param))
+    ref_flat = jax.tree_util.tree_leaves(nnx.state(ref_grads, nnx.Param))
+    assert len(flat) == len(ref_flat) == 4 and {g.dtype for g in flat} == {F32}
+    assert all(np.isfinite(np.asarray(g)).all() for g in flat)
+    for g, r in zip(flat, ref_flat):
+        assert g.shape == r.shape and rel_err(g, r) < 2 * RTOL["float16"], rel_err(g, r)
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [{nnx.Linear: "O0"}, {"blocks/lin": "O0"}, {"blocks/*": "O0"}],
+    ids=["class", "path", "glob"],
+)
+@pytest.mark.parametrize("apply", ["scan", "remat_scan", "jit", "cond", "while_loop"])
+def test_rules_reach_layers_inside_nnx_transforms(apply, rules, rng):
+    x = big_inputs(rng)
+    policy = mpjax.Policy.from_level("O2", "float16")
+    model = mpjax.flax.wrap(Stack(nnx.Rngs(0), apply), policy, rules=rules)
+    dots = traced(model, x)  # one per layer, per scan body, per branch of a cond
+    assert dots and set(dots) == {(F32, F32)}
+    assert rel_err(model(x), reference(x)) < RTOL["float16"]
+
+
+def test_rules_reach_members_of_an_nnx_vmap_ensemble(rng):
+    x = big_inputs(rng, (DEPTH, 2, WIDTH))
+    policy = mpjax.Policy.from_level("O2", "float16")
+    model = mpjax.flax.wrap(Ensemble(nnx.Rngs(0)), policy, rules={"members/lin": "O0"})
+    assert traced(model, x) == [(F32, F32)]
+    model = mpjax.flax.wrap(Ensemble(nnx.Rngs(0)), policy)
+    assert traced(model, x) == [(F16, F16)]
+    with jax.default_matmul_precision("highest"):
+        ref = Ensemble(nnx.Rngs(0))(x)
+    assert rel_err(model(x), ref) < RTOL["float16"]
+
+
+def test_rule_inside_nnx_scan_shows_in_the_audit(rng):
+    x = big_inputs(rng)
+    policy = mpjax.Policy.from_level("O2", "float16")
+
+    def audit(rules):
+        model = mpjax.flax.wrap(Stack(nnx.Rngs(0)), policy, rules=rules)
+        graphdef, state = nnx.split(model)
+        return mpjax.audit(lambda s: nnx.merge(graphdef, s)(x), state, compile=False)
+
+    report = audit(None)
+    assert {m.operand_dtypes for m in report.matmuls} == {("float16", "float16")}
+    assert report.risks == ()  # the norms' statistics are not reduced in half
+    report = audit({nnx.Linear: "O0"})
+    assert {m.operand_dtypes for m in report.matmuls} == {("float32", "float32")}
+
+
+def test_marks_stay_off_the_callers_module_and_classes(rng):
+    x = big_inputs(rng)
+    inner = Stack(nnx.Rngs(0))
+    graphdef = nnx.graphdef(inner)
+    model = mpjax.flax.wrap(inner, mpjax.Policy.from_level("O2", "float16"), {nnx.Linear: "O0"})
+    model(x)
+    assert nnx.graphdef(model.inner) == graphdef
+    assert all(not hasattr(m, "_mpjax_marker") for _, m in nnx.iter_modules(model.inner))
+    assert "marked" not in repr(nnx.Linear.__call__) and "marked" not in repr(Block.__call__)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        norm = nn.LayerNorm(scale_init=nn.initializers.constant(500.0))
+        return nn.gelu(norm(nn.Dense(WIDTH)(x))), None
+
+
+class LinenStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(
+            nn.remat(LinenBlock), variable_axes={"params": 0}, split_rngs={"params": True},
+            length=DEPTH,
+        )  # fmt: skip
+        return scan(name="blocks")(x, None)[0]
+
+
+@pytest.mark.parametrize("rules", [None, {nn.Dense: "O0"}, {"blocks/Dense_0": "O0"}])
+def test_linen_scan_and_remat_keep_the_rules_as_nnx_does(rules, rng):
+    x = big_inputs(rng)
+    variables = LinenStack().init(jax.random.key(0), x)
+    with jax.default_matmul_precision("highest"):
+        ref = LinenStack().apply(variables, x)
+    model = mpjax.flax.wrap(LinenStack(), mpjax.Policy.from_level("O2", "float16"), rules)
+    assert rel_err(model.apply(variables, x), ref) < RTOL["float16"]
+    dots = in_dtypes(model.apply, variables, x, name="dot_general")
+    assert dots == [(F16, F16) if rules is None else (F32, F32)]
