@@ -1,5 +1,7 @@
 """Tests of Policy, the O0-O3 levels, jmp's policy grammar and the cast helpers."""
 
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -145,6 +147,81 @@ def test_level_names_are_forgiving_about_case_and_say_letter_o():
         mpjax.Policy.from_level("O4")
     with pytest.raises(TypeError, match="level must be a string"):
         mpjax.Policy.from_level(1)
+
+
+# Every accepted spelling of a peer's level name -> the mpjax level it means.
+PEER_LEVEL_NAMES = {
+    # apex opt_level (exact case), Paddle level (upper-cased by Paddle), MindSpore amp_level.
+    **{name: name for name in ("O0", "O1", "O2", "O3")},
+    **{name.lower(): name for name in ("O0", "O1", "O2", "O3")},  # Paddle's "o2"
+    "auto": "O1",  # MindSpore auto_mixed_precision(net, "auto")
+    "AUTO": "O1",
+    "Auto": "O1",
+    " auto ": "O1",
+}
+
+
+@pytest.mark.parametrize("half_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name, level", PEER_LEVEL_NAMES.items(), ids=repr)
+def test_peer_level_names(name, level, half_name):
+    policy = mpjax.Policy.from_level(name, half_name)
+    assert policy.level == level
+    assert policy == mpjax.Policy.from_level(level, half_name)
+    assert mpjax.Policy(F32, F32, F32, level=name).level == level
+    if half_name == "float16":
+        assert mpjax.get_policy(name) == mpjax.Policy.from_level(level)
+
+
+def test_level_names_table_is_complete():
+    from mpjax._src import policy as policy_lib
+
+    assert policy_lib.LEVEL_NAMES == {"O0": "O0", "O1": "O1", "O2": "O2", "O3": "O3", "auto": "O1"}
+    assert {key.strip().upper() for key in PEER_LEVEL_NAMES} == {
+        name.upper() for name in policy_lib.LEVEL_NAMES
+    }
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("OD", "Paddle's 'OD'.*no such level.*closest is 'O1'"),
+        ("od", "Paddle's 'OD'"),
+        ("autocast", "torch has no level names, but torch.autocast's rule is mpjax's 'O1'"),
+        ("O4", "Unknown level 'O4'"),
+        ("auto-O1", "Unknown level 'auto-O1'"),
+        ("", "Unknown level ''"),
+        ("02", "Did you mean 'O2'"),
+    ],
+)
+def test_wrong_level_names_list_the_accepted_ones(name, words):
+    with pytest.raises(ValueError, match=words) as info:
+        mpjax.Policy.from_level(name)
+    assert "'O0', 'O1', 'O2', 'O3', 'auto'" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["OD", "autocast"])
+def test_get_policy_refuses_unmapped_level_names_with_the_reason(name):
+    with pytest.raises(ValueError, match="is not accepted.*'O0', 'O1', 'O2', 'O3', 'auto'"):
+        mpjax.get_policy(name)
+
+
+def test_get_policy_unknown_name_keeps_jmps_words_and_lists_levels():
+    with pytest.raises(ValueError, match="^Unknown dtype 'fp16' must be full.*'auto'"):
+        mpjax.get_policy("fp16")
+
+
+def test_readme_level_name_table_matches_from_level():
+    from mpjax._src import policy as policy_lib
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = re.findall(r'^\| `"([^"]+)"` \| ([^|]+) \|', readme, flags=re.M)
+    assert {name for name, _ in rows} == set(policy_lib.LEVEL_NAMES) | {"OD"}
+    for name, level in rows:
+        if level.strip() == "not accepted":
+            with pytest.raises(ValueError, match="is not accepted"):
+                mpjax.Policy.from_level(name)
+        else:
+            assert mpjax.Policy.from_level(name).level == level.strip(), name
 
 
 @pytest.mark.parametrize("bad", ["float32", "int8", "f8"])

@@ -17,6 +17,26 @@ T = TypeVar("T")
 
 LEVELS = ("O0", "O1", "O2", "O3")
 
+# Every level name mpjax accepts (any case, as Paddle's upper()) -> its mpjax level. apex,
+# Paddle and MindSpore share O0-O3; MindSpore's auto_mixed_precision(net, "auto") runs the
+# white list in half, the black list in float32 and the rest in their widest input: O1.
+LEVEL_NAMES: dict[str, str] = {"O0": "O0", "O1": "O1", "O2": "O2", "O3": "O3", "auto": "O1"}
+_LEVEL_KEYS = {name.upper(): level for name, level in LEVEL_NAMES.items()}
+_ACCEPTED = ", ".join(f"'{name}'" for name in LEVEL_NAMES)
+
+# Peer names that mean no mpjax level: each refusal says why and what comes closest.
+_UNMAPPED_LEVELS = {
+    "OD": (
+        "Paddle's 'OD' (like MindSpore's own 'O1') runs only the white list (matmul, conv) in "
+        "half and every other op in float32, and mpjax has no such level. The closest is 'O1', "
+        "where ops outside both lists follow their inputs."
+    ),
+    "AUTOCAST": (
+        "torch has no level names, but torch.autocast's rule is mpjax's 'O1' (lower list in "
+        "half, float32 list in float32, the rest in their widest input)."
+    ),
+}
+
 # jmp's name table, so that get_policy accepts exactly what jmp accepts.
 _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
     np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
@@ -129,14 +149,24 @@ def cast_floating(tree: T, dtype: Any) -> T:
 
 def _check_level(level: str) -> str:
     if not isinstance(level, str):
-        raise TypeError(f"level must be a string 'O0'..'O3', got {type(level).__name__} {level!r}.")
-    canon = level.strip().upper()
-    if canon in LEVELS:
-        return canon
+        raise TypeError(
+            f"level must be a string such as 'O2', got {type(level).__name__} {level!r}."
+        )
+    key = level.strip().upper()
+    if key in _LEVEL_KEYS:
+        return _LEVEL_KEYS[key]
+    if key in _UNMAPPED_LEVELS:
+        raise ValueError(
+            f"Level {level!r} is not accepted: {_UNMAPPED_LEVELS[key]} Accepted level names "
+            f"(any case): {_ACCEPTED}."
+        )
     hint = ""
-    if canon.startswith("0") and canon[1:] in ("0", "1", "2", "3"):
-        hint = f" Did you mean 'O{canon[1:]}' (the letter O, as in apex)?"
-    raise ValueError(f"Unknown level {level!r}: use one of 'O0', 'O1', 'O2', 'O3'.{hint}")
+    if key.startswith("0") and key[1:] in ("0", "1", "2", "3"):
+        hint = f" Did you mean 'O{key[1:]}' (the letter O, as in apex)?"
+    raise ValueError(
+        f"Unknown level {level!r}: use one of {_ACCEPTED} (any case); 'auto' is MindSpore's "
+        f"name for O1.{hint}"
+    )
 
 
 def check_loss_scaling(value: Any) -> str | float:
@@ -278,6 +308,10 @@ class Policy:
     ) -> Policy:
         """Builds the policy of an apex/PaddlePaddle/MindSpore optimization level.
 
+        The level names are apex's ``"O0"``-``"O3"`` (shared by Paddle and MindSpore) and
+        MindSpore's ``"auto"`` (O1), in any case. Paddle's ``"OD"`` has no mpjax level and
+        is refused with the reason (see the README's table of peer level names).
+
         ====== ============== ============================================== =========
         level  params         compute                                        output
         ====== ============== ============================================== =========
@@ -289,7 +323,8 @@ class Policy:
         ====== ============== ============================================== =========
 
         Args:
-          level: "O0", "O1", "O2" or "O3" (the letter O, as apex).
+          level: "O0", "O1", "O2" or "O3" (the letter O, as apex), or "auto" (MindSpore's
+            name for O1); any case.
           half_dtype: "float16"/"bfloat16" (or a dtype); defaults to :func:`half_dtype`.
           lower_ops: extra primitives to run in half (removed from the float32 list).
           f32_ops: extra primitives to keep in float32 (removed from the half list).
@@ -303,14 +338,19 @@ class Policy:
           The policy.
 
         Raises:
-          ValueError: for an unknown level, dtype or op name, or an override that means
-            nothing at that level (apex raises likewise), e.g. ``master_weights`` at O1.
+          TypeError: if `level` is not a string.
+          ValueError: for an unknown level (the message lists the accepted names), a peer's
+            level that has no mpjax equivalent (Paddle's "OD"), an unknown dtype or op name,
+            or an override that means nothing at that level (apex raises likewise), e.g.
+            ``master_weights`` at O1.
 
         Example:
           >>> import mpjax
           >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
           >>> str(policy), "exp" in policy.f32_ops, policy.keep_norm_fp32
           ('p=full,c=bf16,o=full', True, True)
+          >>> mpjax.Policy.from_level("auto", "float16").level   # MindSpore's name
+          'O1'
         """
         level = _check_level(level)
         half = (
@@ -375,7 +415,7 @@ class Policy:
 
 
 def get_policy(policy_name: str) -> Policy:
-    """Parses a policy from jmp's string grammar (and the level names "O0".."O3").
+    """Parses a policy from jmp's string grammar, or a level name ("O0".."O3", "auto").
 
     ``"c=f16"`` gives float32 params and float16 compute and output; ``"p=f16,c=bf16"`` gives
     float16 params and bfloat16 compute and output; a bare dtype (``"half"``) sets all three.
@@ -387,23 +427,26 @@ def get_policy(policy_name: str) -> Policy:
       policy_name: the spec string.
 
     Returns:
-      The policy (a level policy for "O0".."O3").
+      The policy (a level policy, as :meth:`Policy.from_level`, for a level name).
 
     Raises:
       ValueError: "Unknown dtype ..." for a bad dtype name (as jmp), or a message naming the
-        bad key or part.
+        bad key or part, or saying why a peer's level name (Paddle's "OD") is refused.
 
     Example:
       >>> import mpjax
       >>> str(mpjax.get_policy("p=f32, c=bf16"))
       'p=full,c=bf16,o=bf16'
+      >>> mpjax.get_policy("auto").level
+      'O1'
     """
     if not isinstance(policy_name, str):
         raise TypeError(
             f"get_policy takes a string such as 'p=f32,c=bf16', got "
             f"{type(policy_name).__name__}; build a Policy(...) directly from dtypes instead."
         )
-    if policy_name.strip().upper() in LEVELS:
+    key = policy_name.strip().upper()
+    if key in _LEVEL_KEYS or key in _UNMAPPED_LEVELS:
         return Policy.from_level(policy_name)
     param_dtype: np.dtype = np.dtype(np.float32)
     compute_dtype = output_dtype = None
@@ -433,7 +476,10 @@ def get_policy(policy_name: str) -> Policy:
         if output_dtype is None:
             output_dtype = compute_dtype
     else:
-        param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
+        try:
+            param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
+        except ValueError as e:  # jmp's words first, then the level names jmp does not have
+            raise ValueError(f"{e} A level name is accepted too: {_ACCEPTED}.") from None
     return Policy(param_dtype, compute_dtype, output_dtype)
 
 
