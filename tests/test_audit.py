@@ -1,4 +1,9 @@
-"""Tests of the audit, overflow localisation, find_nonfinite and hardware advice."""
+"""Tests of the audit, overflow localisation, find_nonfinite and hardware advice.
+
+Tests with "autocast" in their name audit functions under ``mpjax.autocast``; every other
+test audits plain jitted functions whose half dtypes are written by hand, so it checks the
+audit alone, on every supported JAX: ``pytest tests/test_audit.py -k "not autocast"``.
+"""
 
 import inspect
 import pathlib
@@ -11,8 +16,10 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jax.extend.mlir import ir
 
 import mpjax
+from mpjax._src import audit as audit_module
 from mpjax._src import hardware
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -58,7 +65,7 @@ def audit_step(level, half):
 
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("level, share", [("O0", 0.0), ("O1", 1.0), ("O2", 1.0), ("O3", 1.0)])
-def test_simplenet_step_half_flop_share_and_no_f32_list_op_in_half(level, share, half):
+def test_autocast_simplenet_step_half_flop_share_and_no_f32_list_op_in_half(level, share, half):
     report = audit_step(level, half)
     # 9 forward, 9 weight gradients, 8 input gradients (the data needs none).
     assert len(report.matmuls) == 26
@@ -75,7 +82,7 @@ def test_simplenet_step_half_flop_share_and_no_f32_list_op_in_half(level, share,
 
 
 @pytest.mark.parametrize("level, risky", [("O1", False), ("O2", False), ("O3", True)])
-def test_f32_list_ops_in_half_are_flagged(level, risky):
+def test_autocast_keeps_f32_list_ops_out_of_half_below_O3(level, risky):
     f = mpjax.autocast(
         lambda w, x: jax.nn.log_softmax(x @ w), mpjax.Policy.from_level(level, "float16")
     )
@@ -87,7 +94,7 @@ def test_f32_list_ops_in_half_are_flagged(level, risky):
         assert all(r.dtype == "float16" and "test_audit.py" in r.source for r in report.risks)
 
 
-def test_report_table_and_sources():
+def test_autocast_report_table_and_sources():
     report = audit_step("O2", "bfloat16")
     text = str(report)
     assert "100.0% of" in text and "| dot_general | bfloat16 x bfloat16 |" in text
@@ -95,7 +102,7 @@ def test_report_table_and_sources():
     assert all(m.name and "dot_general" in m.name for m in report.matmuls)
 
 
-def test_assert_matmuls_in_names_the_offending_op_and_line():
+def test_autocast_assert_matmuls_in_names_the_offending_op_and_line():
     audit_step("O2", "bfloat16").assert_matmuls_in(jnp.bfloat16)
     with pytest.raises(AssertionError, match=r"26 of 26 matmuls are not in bfloat16") as info:
         audit_step("O0", "bfloat16").assert_matmuls_in(jnp.bfloat16)
@@ -120,7 +127,7 @@ def test_flops_of_batched_dots_and_convolutions():
     assert (dot.kind, conv.kind) == ("dot_general", "convolution")
 
 
-def test_alignment_advice():
+def test_autocast_alignment_advice():
     policy = mpjax.Policy.from_level("O2", "float16")
     f = mpjax.autocast(lambda w, x: x @ w, policy)
     aligned = mpjax.audit(f, jnp.ones((16, 32)), jnp.ones((8, 16)))
@@ -129,11 +136,235 @@ def test_alignment_advice():
     assert len(odd.misaligned) == 1 and "multiple of 8" in str(odd)
 
 
-def test_untouched_primitives_are_listed():
+def test_autocast_untouched_primitives_are_listed():
     f = mpjax.autocast(lambda a, x: lax.igamma(a, x @ x), mpjax.Policy.from_level("O2", "bfloat16"))
     report = mpjax.audit(f, jnp.full((8, 8), 2.0), jnp.ones((8, 8)))
     assert report.untouched == ("igamma",)
     assert "igamma" in str(report)
+
+
+# -- the audit alone: plain jitted functions, half dtypes written by hand ----------------------
+
+
+def plain_step(dtype):
+    """SimpleNet's SGD step with params and data in `dtype` (no autocast), loss in float32."""
+
+    @jax.jit
+    def step(params, x, y):
+        def loss_fn(p):
+            return jnp.mean((simplenet(p, x.astype(dtype)).astype(jnp.float32) - y) ** 2)
+
+        grads = jax.grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params, grads)
+
+    return step
+
+
+@pytest.mark.parametrize("dtype, share", [("float32", 0.0), ("float16", 1.0), ("bfloat16", 1.0)])
+def test_plain_step_matmul_dtypes_flops_and_sources(dtype, share):
+    params = jax.tree_util.tree_map(lambda p: p.astype(dtype), simplenet_params(jax.random.key(0)))
+    report = mpjax.audit(plain_step(dtype), params, jnp.ones((32, 64)), jnp.zeros((32, 64)))
+    # 9 forward, 9 weight gradients, 8 input gradients (the data needs none).
+    assert len(report.matmuls) == 26
+    assert report.total_flops == 2 * 32 * 64 * 64 * 26
+    assert report.half_flop_share == share
+    assert {(m.operand_dtypes, m.result_dtype) for m in report.matmuls} == {((dtype, dtype), dtype)}
+    assert {m.operand_shapes for m in report.matmuls} == {
+        ((32, 64), (64, 64)),  # forward
+        ((32, 64), (32, 64)),  # weight gradient: contracts the batch
+        ((32, 64), (64, 64)),  # input gradient
+    }
+    assert all(m.source.endswith(MATMUL_LINE) and "dot_general" in m.name for m in report.matmuls)
+    # Each bias gradient sums the batch in `dtype`: in half, a real risk (autocast avoids it).
+    risks = {(r.op, r.dtype, r.shape, r.source.rsplit("/", 1)[-1]) for r in report.risks}
+    assert risks == (set() if share == 0.0 else {("reduce_sum", dtype, (64,), MATMUL_LINE)})
+    assert report.untouched == () and report.misaligned == ()
+    assert f"| dot_general | {dtype} x {dtype} | {dtype} | [32,64] x [64,64] |" in str(report)
+    assert report.compiled_matmuls, "the optimized HLO's matmuls are read too"
+    report.assert_matmuls_in(dtype)
+    if dtype != "float32":
+        with pytest.raises(AssertionError, match="26 of 26 matmuls are not in float32") as info:
+            report.assert_matmuls_in(jnp.float32)
+        assert f"dot_general {dtype} x {dtype}" in str(info.value) and MATMUL_LINE in str(
+            info.value
+        )
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_f32_list_ops_in_half_are_flagged(dtype):
+    def f(w, x):
+        h = x.astype(dtype) @ w.astype(dtype)
+        zero, one = np.array(0, dtype), np.array(1, dtype)
+        return (
+            jax.nn.log_softmax(h),  # exp and log
+            lax.reduce(h, zero, lax.add, (1,)),  # a sum that accumulates in half
+            lax.reduce(h, one, lax.mul, (1,)),
+            lax.rsqrt(h),
+            h.astype(jnp.float32).sum(),  # in float32: no risk
+        )
+
+    report = mpjax.audit(f, jnp.ones((8, 8)), jnp.ones((4, 8)))
+    assert [r.op for r in report.risks] == ["exp", "log", "reduce_sum", "reduce_prod", "rsqrt"]
+    assert {r.dtype for r in report.risks} == {dtype}
+    assert [r.shape for r in report.risks][2:] == [(4,), (4,), (4, 8)]
+    assert all("test_audit.py" in r.source for r in report.risks)
+    assert "f32-list ops in half" in str(report)
+    full = mpjax.audit(lambda w, x: jax.nn.log_softmax(x @ w), jnp.ones((8, 8)), jnp.ones((4, 8)))
+    assert full.risks == ()
+
+
+def test_alignment_advice():
+    f = lambda w, x: x.astype(jnp.float16) @ w.astype(jnp.float16)
+    aligned = mpjax.audit(f, jnp.ones((16, 32)), jnp.ones((8, 16)))
+    assert aligned.misaligned == () and "advice" not in str(aligned)
+    odd = mpjax.audit(f, jnp.ones((12, 32)), jnp.ones((8, 12)))
+    assert len(odd.misaligned) == 1 and "multiple of 8" in str(odd)
+    full = mpjax.audit(lambda w, x: x @ w, jnp.ones((12, 32)), jnp.ones((8, 12)))
+    assert full.misaligned == ()  # float32 does not run on tensor cores
+
+
+def test_untouched_scope_markers_are_read_from_op_locations():
+    def f(a, x):
+        with jax.named_scope(f"{audit_module.UNTOUCHED_SCOPE}:igamma"):
+            return lax.igamma(a, x @ x)
+
+    report = mpjax.audit(f, jnp.full((8, 8), 2.0), jnp.ones((8, 8)))
+    assert report.untouched == ("igamma",)
+    assert "igamma" in str(report)
+
+
+def test_called_functions_loops_and_conditionals_are_walked():
+    @jax.jit
+    def layer(w, x):
+        return x @ w
+
+    def f(w, x):
+        h = layer(w, layer(w, x))  # one function called twice: two matmuls run
+
+        def body(c, _):
+            return jnp.exp(layer(w, c)), None
+
+        h, _ = lax.scan(body, h, None, length=3)  # a loop body counts once
+        h = lax.cond(h.sum() > 0, lambda: jnp.log(h), lambda: h)
+        return lax.fori_loop(0, 2, lambda i, v: v @ w, h)
+
+    report = mpjax.audit(f, jnp.ones((8, 8), jnp.float16), jnp.ones((4, 8), jnp.float16))
+    assert len(report.matmuls) == 4 and report.half_flop_share == 1.0
+    assert report.total_flops == 4 * 2 * 4 * 8 * 8
+    assert [r.op for r in report.risks] == ["exp", "log"]  # in program order
+    assert all("test_audit.py" in r.source for r in report.risks)
+
+
+def test_collectives_are_listed_with_their_dtypes():
+    f = jax.pmap(lambda x: (lax.psum(x, "i"), lax.psum(x.astype(jnp.float32), "i")), axis_name="i")
+    report = mpjax.audit(f, jnp.ones((1, 4), jnp.bfloat16))
+    lowered = [(c.kind, c.dtypes) for c in report.collectives if c.stage == "lowered"]
+    assert lowered == [("all-reduce", ("bfloat16",)), ("all-reduce", ("float32",))]
+    assert "all-reduce bfloat16 (lowered)" in str(report)
+
+
+def test_the_lowered_module_is_walked_never_read_as_text(monkeypatch):
+    # StableHLO's text changes between JAX releases (generic and pretty forms, location
+    # aliases); the audit reads the module's structure through the MLIR bindings instead.
+    def no_text(*args, **kwargs):
+        raise AssertionError("the audit read the lowered module as text")
+
+    monkeypatch.setattr(jax.stages.Lowered, "as_text", no_text)
+    compiler_ir = jax.stages.Lowered.compiler_ir
+
+    def compiler_ir_without_text(self, *args, **kwargs):
+        module = compiler_ir(self, *args, **kwargs)
+        for cls in vars(ir).values():  # once JAX has lowered: no op, type, attribute or location
+            for name in ("__str__", "get_asm", "print"):  # of it prints
+                if isinstance(cls, type) and name in vars(cls):
+                    monkeypatch.setattr(cls, name, no_text)
+        return module
+
+    monkeypatch.setattr(jax.stages.Lowered, "compiler_ir", compiler_ir_without_text)
+
+    @jax.jit
+    def layer(w, x):
+        with jax.named_scope(f"{audit_module.UNTOUCHED_SCOPE}:tanh"):
+            return jnp.tanh(x @ w)
+
+    def f(w, x):
+        h, _ = lax.scan(lambda c, _: (jnp.exp(layer(w, c)), None), layer(w, x), None, length=2)
+        return h
+
+    w, x = jnp.ones((8, 8), jnp.bfloat16), jnp.ones((4, 8), jnp.bfloat16)
+    report = mpjax.audit(f, w, x, compile=False)
+    assert [m.operand_dtypes for m in report.matmuls] == [("bfloat16", "bfloat16")] * 2
+    assert all(m.source and "test_audit.py" in m.source for m in report.matmuls)
+    assert [(r.op, r.dtype) for r in report.risks] == [("exp", "bfloat16")]
+    assert report.untouched == ("tanh",)
+
+
+# A module as a JAX release might print it: every op in generic form, a function called twice,
+# a while loop, a reduction and a collective with their bodies, locations of every kind.
+HAND_BUILT = """
+module @hand_built {
+  func.func public @main(%x: tensor<8x16xbf16>, %w: tensor<16x8xbf16>, %h: tensor<4xf16>) -> tensor<f16> {
+    %0 = "func.call"(%x, %w) {callee = @layer} : (tensor<8x16xbf16>, tensor<16x8xbf16>) -> tensor<8x8xbf16>
+    %1 = "func.call"(%x, %w) {callee = @layer} : (tensor<8x16xbf16>, tensor<16x8xbf16>) -> tensor<8x8xbf16>
+    %2 = "stablehlo.while"(%h) ({
+    ^bb0(%a: tensor<4xf16>):
+      %c = "stablehlo.constant"() {value = dense<true> : tensor<i1>} : () -> tensor<i1>
+      "stablehlo.return"(%c) : (tensor<i1>) -> ()
+    }, {
+    ^bb0(%a: tensor<4xf16>):
+      %e = "stablehlo.exponential"(%a) : (tensor<4xf16>) -> tensor<4xf16> loc(fused["jit(step)/while/body/exp"("model.py":11:4), "other.py":1:0])
+      "stablehlo.return"(%e) : (tensor<4xf16>) -> ()
+    }) : (tensor<4xf16>) -> tensor<4xf16>
+    %3 = "stablehlo.all_reduce"(%2) ({
+    ^bb0(%a: tensor<f16>, %b: tensor<f16>):
+      %s = "stablehlo.add"(%a, %b) : (tensor<f16>, tensor<f16>) -> tensor<f16>
+      "stablehlo.return"(%s) : (tensor<f16>) -> ()
+    }) {replica_groups = dense<[[0]]> : tensor<1x1xi64>} : (tensor<4xf16>) -> tensor<4xf16>
+    %zero = "stablehlo.constant"() {value = dense<0.0> : tensor<f16>} : () -> tensor<f16>
+    %4 = "stablehlo.reduce"(%3, %zero) ({
+    ^bb0(%a: tensor<f16>, %b: tensor<f16>):
+      %s = "stablehlo.add"(%a, %b) : (tensor<f16>, tensor<f16>) -> tensor<f16>
+      "stablehlo.return"(%s) : (tensor<f16>) -> ()
+    }) {dimensions = array<i64: 0>} : (tensor<4xf16>, tensor<f16>) -> tensor<f16> loc("jit(step)/reduce_sum"("model.py":12:4))
+    "func.return"(%4) : (tensor<f16>) -> ()
+  }
+  func.func private @layer(%x: tensor<8x16xbf16>, %w: tensor<16x8xbf16>) -> tensor<8x8xbf16> {
+    %0 = "stablehlo.dot_general"(%x, %w) {dot_dimension_numbers = #stablehlo.dot<lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [0]>} : (tensor<8x16xbf16>, tensor<16x8xbf16>) -> tensor<8x8xbf16> loc("jit(step)/layer/dot_general"(callsite("layer"("model.py":7:8) at "<module>"("train.py":20:0))))
+    %1 = "stablehlo.convert"(%0) : (tensor<8x8xbf16>) -> tensor<8x8xf32> loc("jit(step)/layer/mpjax_untouched:igamma/convert_element_type"("model.py":8:8))
+    %2 = "stablehlo.convert"(%1) : (tensor<8x8xf32>) -> tensor<8x8xbf16>
+    "func.return"(%2) : (tensor<8x8xbf16>) -> ()
+  }
+  func.func private @unreached(%a: tensor<2xf16>) -> tensor<2xf16> {
+    %0 = "stablehlo.log"(%a) : (tensor<2xf16>) -> tensor<2xf16> loc("model.py":30:0)
+    "func.return"(%0) : (tensor<2xf16>) -> ()
+  }
+}
+"""  # noqa: E501 - one op a line reads best
+
+
+def test_walk_of_a_hand_built_module():
+    context = jax.jit(lambda: 0.0).lower().compiler_ir("stablehlo").context  # JAX's dialects
+    found = audit_module._read_module(ir.Module.parse(HAND_BUILT, context))
+    dot = audit_module.MatmulOp(
+        kind="dot_general",
+        operand_dtypes=("bfloat16", "bfloat16"),
+        result_dtype="bfloat16",
+        operand_shapes=((8, 16), (16, 8)),
+        result_shape=(8, 8),
+        flops=2 * 8 * 8 * 16,
+        name="jit(step)/layer/dot_general",
+        source="model.py:7",  # the callee's frame: the user's line, not its caller's
+        aligned=True,
+    )
+    assert found.matmuls == [dot, dot]  # at each call
+    assert found.converts == 4
+    assert [(r.op, r.dtype, r.shape, r.name, r.source) for r in found.risks] == [
+        ("exp", "float16", (4,), "jit(step)/while/body/exp", "model.py:11"),
+        ("reduce_sum", "float16", (), "jit(step)/reduce_sum", "model.py:12"),
+        ("log", "float16", (2,), None, "model.py:30"),  # a function no call reaches: read once
+    ]
+    assert found.untouched == ["igamma"]
+    assert found.collectives == [audit_module.Collective("all-reduce", ("float16",), "lowered")]
 
 
 # -- overflow localisation -------------------------------------------------------------------
@@ -196,7 +427,7 @@ def test_find_nonfinite_names_the_first_bad_op_and_its_line():
     assert mpjax.find_nonfinite(f, w, jnp.full((1, 3), 2.0)) is None
 
 
-def test_find_nonfinite_under_a_policy_finds_a_half_overflow():
+def test_find_nonfinite_under_autocast_finds_a_half_overflow():
     def f(x):
         with mpjax.half_precision():
             return jnp.exp(x).sum()
@@ -210,7 +441,7 @@ def test_find_nonfinite_under_a_policy_finds_a_half_overflow():
 # -- hardware advice ---------------------------------------------------------------------------
 
 
-def test_half_on_cpu_warns_once_and_never_fails(monkeypatch):
+def test_autocast_of_half_on_cpu_warns_once_and_never_fails(monkeypatch):
     monkeypatch.setattr(hardware, "_warned", set())
     policy = mpjax.Policy.from_level("O2", "bfloat16")
     with pytest.warns(mpjax.HardwareWarning, match="no fast half-precision math.*use O0"):

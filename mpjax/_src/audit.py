@@ -183,11 +183,16 @@ def _callees(op: Any) -> list[str]:
     return names
 
 
-def _operations(module: Any) -> Iterator[Any]:
-    """Every operation of `module` in program order, from its entry function: the regions of
-    loops, conditionals and collectives in place, and a called function's body at each call
-    (so the ops of a function called from two places come twice). Functions that no call
-    reaches are read once, at the end."""
+def _operations(module: Any) -> Iterator[tuple[Any, str | None, str | None]]:
+    """(operation, name, source) of every operation of `module` in program order, from its
+    entry function: the regions of loops, conditionals and collectives in place, and a called
+    function's body at each call (so the ops of a function called from two places come
+    twice). Functions that no call reaches are read once, at the end.
+
+    An op with no source line of its own (JAX drops its own frames, so the body of a jitted
+    library function such as ``jax.nn.softmax`` has none) gets that of the op it runs under:
+    the call, loop or reduction that the user's line made.
+    """
     funcs = {
         name: op.operation
         for op in module.body.operations
@@ -195,23 +200,25 @@ def _operations(module: Any) -> Iterator[Any]:
     }
     reached: set[str] = set()
 
-    def walk(op: Any, active: frozenset[str]) -> Iterator[Any]:
+    def walk(op: Any, active: frozenset[str], outer: str | None) -> Iterator[Any]:
         for region in op.regions:
             for block in region.blocks:
                 for child in block.operations:
                     child = child.operation
-                    yield child
-                    yield from walk(child, active)
+                    name, source = _describe(child.location)
+                    source = source or outer
+                    yield child, name, source
+                    yield from walk(child, active, source)
                     for callee in _callees(child):
                         if callee in funcs and callee not in active:  # no recursion in HLO
                             reached.add(callee)
-                            yield from walk(funcs[callee], active | {callee})
+                            yield from walk(funcs[callee], active | {callee}, source)
 
     entry = "main" if "main" in funcs else next(iter(funcs), None)
     for name in [entry, *funcs]:
         if name is not None and name not in reached:
             reached.add(name)
-            yield from walk(funcs[name], frozenset({name}))
+            yield from walk(funcs[name], frozenset({name}), None)
 
 
 def _dot_flops_and_alignment(
@@ -259,9 +266,8 @@ def _read_module(module: Any) -> _Lowered:
     op names, operand and result types, attributes and locations, never the module's text."""
     found = _Lowered()
     with module.context:
-        for op in _operations(module):
+        for op, name, source in _operations(module):
             kind = op.name
-            name, source = _describe(op.location)
             if name and UNTOUCHED_SCOPE + ":" in name:
                 prim = name.split(UNTOUCHED_SCOPE + ":", 1)[1].split("/", 1)[0]
                 if prim not in found.untouched:
