@@ -15,6 +15,7 @@ import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
+from mpjax._src import jax_compat
 from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE
 
 HALF_DTYPES = ("float16", "bfloat16")
@@ -591,14 +592,13 @@ _CALL_PARAMS = {
 
 
 def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
-    from jax._src import core as jax_core
-    from jax._src import source_info_util
+    from jax._src import source_info_util  # summarize: same in JAX 0.6-0.10
 
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, jax_core.Literal) else env[v]
+        return v.val if isinstance(v, jax_compat.Literal) else env[v]
 
     def bad(x: Any) -> str | None:
         if not (hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.inexact)):
@@ -623,7 +623,7 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
             if found is not None:
                 return found, None
         else:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
             kinds = [bad(x) for x in outs]
