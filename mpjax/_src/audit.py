@@ -592,8 +592,6 @@ _CALL_PARAMS = {
 
 
 def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
-    from jax._src import source_info_util  # summarize: same in JAX 0.6-0.10
-
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
 
@@ -632,7 +630,7 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
                 return NonFiniteOrigin(
                     primitive=eqn.primitive.name,
                     name=name,
-                    source=source_info_util.summarize(eqn.source_info),
+                    source=jax_compat.summarize_source(eqn.source_info),
                     dtype=np.dtype(out.dtype).name,
                     shape=tuple(out.shape),
                     kind=next(k for k in kinds if k),

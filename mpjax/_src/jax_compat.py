@@ -138,3 +138,8 @@ def shard_map_context(params: dict[str, Any]) -> Iterator[None]:
         if hasattr(config, "_check_vma"):
             stack.enter_context(config._check_vma(params.get("check_vma", True)))
         yield
+
+
+def summarize_source(source_info: Any) -> str:
+    """'file:line (function)' of the user's frame that made an equation (JAX 0.6-0.10)."""
+    return source_info_util.summarize(source_info)
