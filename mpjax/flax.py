@@ -212,6 +212,14 @@ class NNXWrapped(nnx.Module):
         return self.policy.cast_to_output(out)
 
 
+def _iter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Module]]:
+    """(path, module) for `model` and every NNX module inside it."""
+    if hasattr(nnx, "iter_modules"):
+        return nnx.iter_modules(model)
+    # Flax 0.11.0 has only the method, which later Flax deprecates for nnx.iter_modules.
+    return model.iter_modules()
+
+
 # The region marker of an NNX module, stored on the module itself: a plain string attribute is
 # static, so it lives in the graphdef and survives nnx.split/merge, which is how nnx.scan,
 # vmap, remat, jit, cond and the loops hand a module to their body (as a new object).
@@ -224,7 +232,7 @@ def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
     # of `model` (a copy made for this trace) and patch the classes of the marked ones for the
     # duration of the trace; the patched __call__ reads the mark of whichever object it gets.
     originals: dict[type, Any] = {}
-    for path, sub in nnx.iter_modules(model):
+    for path, sub in _iter_modules(model):
         marker = resolver.marker(sub, "/".join(str(p) for p in path))
         # Every module is written, so a mark left by an enclosing wrapper cannot leak in here.
         setattr(sub, _MARKER_ATTR, marker)

@@ -174,13 +174,13 @@ def test_keep_norm_fp32_reaches_layers_inside_nnx_transforms(level, apply, graph
     assert set(traced(model, x)) == {(F16, F16)}
 
 
-@pytest.mark.parametrize("apply", ["scan", "unrolled"])
-def test_the_inputs_do_overflow_a_half_layernorm(apply, rng):
-    # Guards the test above: without keep_norm_fp32 the same model is badly wrong.
+def test_every_layernorm_variance_overflows_float16(rng):
+    # Guards the tests here: a LayerNorm whose statistics ran in half would overflow.
     x = big_inputs(rng)
-    policy = mpjax.Policy.from_level("O2", "float16", keep_norm_fp32=False)
-    model = mpjax.flax.wrap(Stack(nnx.Rngs(0), apply), policy)
-    assert not rel_err(model(x), reference(x)) < 0.1  # nan or far off
+    for block in layers(Stack(nnx.Rngs(0)).blocks):
+        h = block.lin(x)
+        assert (h.var(axis=-1) > np.finfo(np.float16).max).all()
+        x = block(x)
 
 
 def test_gradients_through_the_scanned_stack_are_finite_and_match_float32(rng):
@@ -254,7 +254,8 @@ def test_marks_stay_off_the_callers_module_and_classes(rng):
     model = mpjax.flax.wrap(inner, mpjax.Policy.from_level("O2", "float16"), {nnx.Linear: "O0"})
     model(x)
     assert nnx.graphdef(model.inner) == graphdef
-    assert all(not hasattr(m, "_mpjax_marker") for _, m in nnx.iter_modules(model.inner))
+    modules = [m for _, m in nnx.iter_graph(model.inner) if isinstance(m, nnx.Module)]
+    assert len(modules) == 4 and not any(hasattr(m, "_mpjax_marker") for m in modules)
     assert "marked" not in repr(nnx.Linear.__call__) and "marked" not in repr(Block.__call__)
 
 
@@ -275,6 +276,10 @@ class LinenStack(nn.Module):
         return scan(name="blocks")(x, None)[0]
 
 
+@pytest.mark.skipif(
+    not hasattr(jax.sharding.NamedSharding, "update"),
+    reason="Flax's nn.scan needs NamedSharding.update, which JAX 0.6.0 lacks",
+)
 @pytest.mark.parametrize("rules", [None, {nn.Dense: "O0"}, {"blocks/Dense_0": "O0"}])
 def test_linen_scan_and_remat_keep_the_rules_as_nnx_does(rules, rng):
     x = big_inputs(rng)
