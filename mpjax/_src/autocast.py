@@ -9,6 +9,7 @@ override the policy, as do per-module rules of the Flax wrappers.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import re
@@ -19,11 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax._src import source_info_util
-from jax._src.lax import lax as lax_internal
 
 from mpjax._src import hardware, ops
+from mpjax._src import jax_compat as jc
 from mpjax._src.policy import Policy
 
 _MARKER = re.compile(r"mpjax:([A-Za-z0-9_]+)")
@@ -42,7 +41,7 @@ INLINE_CALLS = {
 _SUBJAXPR_PARAMS = {
     "custom_jvp_call": ("call_jaxpr",),
     "custom_vjp_call": ("call_jaxpr",),
-    "custom_vjp_call_jaxpr": ("fun_jaxpr",),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr",),  # JAX 0.6-0.7
     "remat2": ("jaxpr",),
     "checkpoint": ("jaxpr",),
     "scan": ("jaxpr",),
@@ -69,6 +68,15 @@ _ELEMENTWISE = frozenset(
 )  # fmt: skip
 # Ops whose meaning depends on the bit width: always run in their traced dtype.
 _TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+# Ops whose float operands only decide something (a bool, an index, an order): they and the
+# values feeding them keep their traced dtype, so rounding cannot flip a decision.
+_DECISION_OPS = frozenset(
+    {"lt", "le", "gt", "ge", "eq", "ne", "is_finite", "argmax", "argmin", "sort", "top_k"}
+)
+# Custom-derivative calls: their rules (jvp, fwd, bwd) run under the policy too.
+_CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# Known values (trace-time constants) are computed up to this many elements, to check casts.
+_KNOWN_LIMIT = 1 << 16
 
 
 @contextlib.contextmanager
@@ -125,14 +133,45 @@ def _widest(dtypes: list[np.dtype]) -> np.dtype:
     return np.dtype(best)
 
 
-def _cast(x: Any, dtype: np.dtype, weak_type: bool = False) -> Any:
-    if x.dtype == dtype and not weak_type:
+def _value(x: Any, v: Any) -> Any:
+    """`x` as something with a dtype and shape (literals are plain or typed Python scalars)."""
+    return jc.literal_array(v) if isinstance(v, jc.Literal) else x
+
+
+def _cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = True) -> Any:
+    if getattr(x, "dtype", None) == dtype and not weak_type:
         return x
-    return lax_internal._convert_element_type(x, np.dtype(dtype), weak_type)
+    if saturate and _is_float(dtype) and _is_float(x.dtype) and _max(dtype) < _max(x.dtype):
+        x = _saturate(x, dtype)
+    return jc.convert(x, np.dtype(dtype), weak_type)
+
+
+def _max(dtype: Any) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def _saturate(x: Any, dtype: np.dtype) -> Any:
+    """Clamps finite values to `dtype`'s range, so that a cast mpjax inserts never turns a
+    finite value into an infinity (a mask fill of finfo(float32).min, an overflowing sum):
+    -inf - -inf would make NaN where float32 had a number. Infinities and NaN pass as they are.
+    XLA fuses this into the convert."""
+    lim = lax.full_like(x, _max(dtype))
+    clamped = lax.max(lax.min(x, lim), lax.neg(lim))
+    return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
+
+
+def _changes_meaning(known: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether casting the trace-time constant `known` to `dtype` turns a finite value into an
+    infinity or a nonzero into zero (a mask fill of -1e30, an epsilon of 1e-12 in float16)."""
+    with np.errstate(all="ignore"):
+        cast = np.asarray(known).astype(dtype).astype(np.float64)
+        k = np.asarray(known, np.float64)
+        return bool(np.any(np.isfinite(k) & ~np.isfinite(cast)) or np.any((k != 0) & (cast == 0)))
 
 
 class _Context:
-    """What the evaluation needs: the region policies by marker, and the base policy."""
+    """What the evaluation needs: the region policies by marker, the base policy, and a memo of
+    the use analysis per sub-jaxpr."""
 
     def __init__(self, policy: Policy, rules: Mapping[str, Policy]):
         self.policy = policy
@@ -141,25 +180,167 @@ class _Context:
             HALF_REGION: "half",
             **rules,
         }
+        self.memo: dict[Any, Any] = {}
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:
         markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker]
         return self.by_marker[markers[-1]] if markers else inherited
 
 
+def _op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
+    """The (lower, f32) op lists in force under `mode`."""
+    if isinstance(mode, Policy) and mode.half and mode.level != "O0":
+        return mode.lower_ops, mode.f32_ops
+    return frozenset(), frozenset()
+
+
+# -- rules: what each value is used for -----------------------------------------------------------
+#
+# A backward pass over a jaxpr marks each float value with two facts: it feeds a decision (a
+# comparison, an integer convert, a sort, a loop condition), and it feeds only f32-list ops.
+# Producers of the first keep their traced dtype; producers of the second compute in float32.
+Flags = tuple[bool, bool]  # (feeds a decision, feeds only f32-list ops)
+_NONE: Flags = (False, False)
+
+
+class _Facts:
+    def __init__(self, decision: set[Any], f32only: set[Any], in_flags: tuple[Flags, ...]):
+        self.decision, self.f32only, self.in_flags = decision, f32only, in_flags
+
+    def flags(self, v: Any) -> Flags:
+        if isinstance(v, (jc.Literal, jc.DropVar)):
+            return _NONE
+        return (v in self.decision, v in self.f32only)
+
+
+def _analyze(ctx: _Context, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any) -> _Facts:
+    key = (id(jaxpr), out_flags, id(mode) if isinstance(mode, Policy) else mode)
+    if key in ctx.memo:
+        return ctx.memo[key][1]
+    decision: set[Any] = set()
+    used: set[Any] = set()
+    not_f32: set[Any] = set()
+
+    def use(v: Any, flags: Flags) -> None:
+        if isinstance(v, jc.Literal):
+            return
+        used.add(v)
+        if flags[0]:
+            decision.add(v)
+        if not flags[1]:
+            not_f32.add(v)
+
+    def flags_of(v: Any) -> Flags:
+        if isinstance(v, (jc.Literal, jc.DropVar)) or v not in used:
+            return _NONE
+        return (v in decision, v not in not_f32)
+
+    for v, f in zip(jaxpr.outvars, out_flags, strict=True):
+        use(v, f)
+    for eqn in reversed(jaxpr.eqns):
+        eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
+        outs = [v for v in eqn.outvars if not isinstance(v, jc.DropVar)]
+        fouts = [v for v in outs if _is_float(v.aval.dtype)]
+        out_dec = any(v in decision for v in fouts)
+        out_f32 = bool(fouts) and all(v in used and v not in not_f32 for v in fouts)
+        flags = _operand_flags(ctx, eqn, eqn_mode, out_dec, out_f32, flags_of)
+        for v, f in zip(eqn.invars, flags, strict=True):
+            use(v, f)
+    f32only = {v for v in used if v not in not_f32}
+    facts = _Facts(decision, f32only, tuple(flags_of(v) for v in jaxpr.invars))
+    ctx.memo[key] = (jaxpr, facts)  # the jaxpr is kept alive so that its id stays unique
+    return facts
+
+
+def _operand_flags(
+    ctx: _Context, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
+) -> list[Flags]:
+    name, n = eqn.primitive.name, len(eqn.invars)
+    inner = _call_jaxpr(eqn)
+    if inner is not None:  # a call: what its body does with each operand
+        out_flags = tuple(flags_of(v) for v in eqn.outvars)
+        return list(_analyze(ctx, inner.jaxpr, out_flags, mode).in_flags)
+    if name == "while":
+        cf, bf, decided = _while_facts(ctx, eqn, mode)
+        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        return [*cf[:cn], *bf[:bn], *[(i in decided, False) for i in range(n - cn - bn)]]
+    if name == "scan":  # a decision inside the body is a decision on the operand
+        body = eqn.params["jaxpr"]
+        bf = _analyze(ctx, body.jaxpr, (_NONE,) * len(body.jaxpr.outvars), mode).in_flags
+        return [(d, False) for d, _ in bf]
+    if name == "cond":
+        branch_flags = [
+            _analyze(ctx, b.jaxpr, (_NONE,) * len(b.jaxpr.outvars), mode).in_flags
+            for b in eqn.params["branches"]
+        ]
+        return [_NONE] + [(any(bf[i][0] for bf in branch_flags), False) for i in range(n - 1)]
+    if name in _SUBJAXPR_PARAMS or any(
+        isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values()
+    ):
+        return [_NONE] * n
+    if name in _DECISION_OPS or not any(_is_float(v.aval.dtype) for v in eqn.outvars):
+        return [(True, False)] * n  # floats that become integers, bools or bits decide
+    lower, f32 = _op_lists(mode)
+    if name in lower or name not in ops.KNOWN_OPS:
+        return [_NONE] * n
+    if name in f32:
+        return [(out_dec, True)] * n
+    return [(out_dec, out_f32)] * n
+
+
+def _call_jaxpr(eqn: Any) -> Any:
+    """The body of a call whose operands and results map one to one onto the body's."""
+    name = eqn.primitive.name
+    if name in INLINE_CALLS:
+        return eqn.params[INLINE_CALLS[name]]
+    if name in _CUSTOM_CALLS:
+        return eqn.params[_SUBJAXPR_PARAMS[name][0]]
+    return None
+
+
+def _while_facts(ctx: _Context, eqn: Any, mode: Any) -> tuple[Any, Any, frozenset[int]]:
+    """The carries a while loop's condition depends on (through any number of iterations)."""
+    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    ncarry = len(eqn.invars) - cn - bn
+    cf = _analyze(ctx, cond.jaxpr, ((True, False),), mode).in_flags
+    decided = frozenset(i for i in range(ncarry) if cf[cn + i][0])
+    while True:
+        out_flags = tuple((i in decided, False) for i in range(ncarry))
+        bf = _analyze(ctx, body.jaxpr, out_flags, mode).in_flags
+        grown = decided | {i for i in range(ncarry) if bf[bn + i][0]}
+        if grown == decided:
+            return cf, bf, decided
+        decided = grown
+
+
 def _target_dtype(
-    name: str, eqn: Any, vals: list[Any], mode: Any, base: Policy, held: list[bool]
+    name: str,
+    eqn: Any,
+    vals: list[Any],
+    mode: Any,
+    base: Policy,
+    held: list[bool],
+    static: list[bool],
+    index: list[bool],
+    known: list[Any],
+    out_flags: list[Flags],
 ) -> tuple[Any, bool]:
-    """The dtype float operands are cast to (None: leave them) and whether the result is held
-    in float32 (an f32-list result, or computed only from such results)."""
-    traced = [v.aval.dtype for v in eqn.invars if _is_float(v.aval.dtype)]
-    if not traced or name in _PASS_OPS:
+    """The rule: the dtype float operands are cast to, and whether the result is held in float32.
+
+    Returns (None, hold) to leave the operands as they are, ("traced", False) to run the op in
+    the dtypes it was traced with, or (dtype, hold). Held values are f32-list results, or
+    computed only from such results; at O2 they stay float32 until bulk math casts them down.
+    """
+    fin = [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
+    if not fin:
         return None, False
-    if name in SHAPE_OPS:
-        return None, any(held)
-    full = _widest([*traced, np.dtype(np.float32)])
+    if name in SHAPE_OPS or name in _PASS_OPS:
+        return None, any(held[i] for i in fin)
     if name in _TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
-        return "traced", False  # unknown primitive: never wrong, only slower
+        return "untouched", False  # unknown primitive: never wrong, only slower
+    traced = [np.dtype(eqn.invars[i].aval.dtype) for i in fin]
+    full = _widest([*traced, np.dtype(np.float32)])
     if mode == "f32":
         return full, True
     if mode == "half":
@@ -167,24 +348,51 @@ def _target_dtype(
     policy: Policy = mode
     if policy.level == "O0" or not policy.half:
         return full, False
-    if name in policy.f32_ops:
-        return full, True
-    if name in policy.lower_ops:
-        return policy.compute_dtype, False
-    # Weak-typed operands and literals (Python scalars in the source) do not promote, as in jnp.
-    floats = [
-        (np.dtype(x.dtype), isinstance(v, jax_core.Literal) or v.aval.weak_type, h)
-        for x, v, h in zip(vals, eqn.invars, held, strict=True)
-        if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
+    if all(static):
+        return "traced", False  # constants, index arithmetic, random numbers: as traced
+    fouts = [v for v in eqn.outvars if _is_float(v.aval.dtype)]
+    lower, f32 = _op_lists(policy)
+    decides = name in _DECISION_OPS or not fouts or any(f[0] for f in out_flags)
+    if name not in lower and (decides or all(not v.aval.shape for v in fouts)):
+        return "traced", False  # decisions and scalar bookkeeping (tensor math follows policy)
+    strong_in = [
+        i
+        for i in fin
+        if not isinstance(eqn.invars[i], jc.Literal) and not eqn.invars[i].aval.weak_type
     ]
-    strong = [f for f in floats if not f[1]] or floats
-    if policy.level == "O1":
-        return (_widest([d for d, _, _ in strong]), False) if strong else (None, False)
-    if strong and all(h for _, _, h in strong):
-        # O2: what an f32-list op produced stays float32 until it meets a half value, so
-        # softmax, logsumexp and the loss are float32 from end to end (torch.amp alike).
-        return None, True
-    return policy.compute_dtype, False
+    if name not in lower and strong_in and all(index[i] or static[i] for i in strong_in):
+        return "traced", False  # index arithmetic: y - floor(y) for sampling coordinates
+    if name in f32 or (name not in lower and fouts and all(f[1] for f in out_flags)):
+        return full, True  # f32-list ops and the elementwise producers feeding only them
+    if name in lower:
+        target, hold = policy.compute_dtype, False
+    else:
+        # Weak-typed operands and literals (Python scalars in the source) do not promote, as in
+        # jnp; at O2 neither do values computed without float inputs (constants, masks).
+        floats = [
+            (np.dtype(vals[i].dtype), isinstance(eqn.invars[i], jc.Literal), held[i], static[i])
+            for i in fin
+        ]
+        floats = [
+            (d, lit or eqn.invars[i].aval.weak_type, h, s)
+            for (d, lit, h, s), i in zip(floats, fin, strict=True)
+        ]
+        if policy.level == "O1":
+            strong = [f for f in floats if not f[1]] or floats
+            target, hold = _widest([d for d, _, _, _ in strong]), False
+        else:
+            strong = [f for f in floats if not f[1] and not f[3]]
+            if strong and any(h for _, _, h, _ in strong):
+                # An f32 result meeting half values: the op runs in float32, so a sum of
+                # squares plus an epsilon is not cast down before it divides.
+                target, hold = full, all(h for _, _, h, _ in strong)
+            else:
+                target, hold = policy.compute_dtype, False
+    if np.dtype(target).itemsize < 4 and any(
+        k is not None and _changes_meaning(k, target) for k in known
+    ):
+        return full, True  # a constant half cannot hold: the op runs where it can
+    return target, hold
 
 
 def _fix_params(params: dict[str, Any], target: Any) -> dict[str, Any]:
@@ -195,59 +403,124 @@ def _fix_params(params: dict[str, Any], target: Any) -> dict[str, Any]:
     return params
 
 
-def _read(env: dict, v: Any) -> Any:
-    return v.val if isinstance(v, jax_core.Literal) else env[v]
+# -- machinery: evaluate a jaxpr, rebuilding higher-order primitives ------------------------------
 
 
-def _eval_jaxpr(
-    jaxpr: Any,
-    consts: list[Any],
-    args: list[Any],
-    ctx: _Context,
-    mode: Any,
-    traceback: Any = None,
-) -> list:
-    """Evaluates `jaxpr` under the policy. `traceback`, for an inlined call, is the call
-    site's: the inner equations' own may come from a cached trace made elsewhere."""
-    env: dict[Any, Any] = {}
-    held: set[Any] = set()  # vars whose values are held in float32 (see _target_dtype)
-    casts: dict[
-        tuple[Any, np.dtype, tuple[int, ...]], Any
-    ] = {}  # one convert per value and dtype, not per use
+class _Env:
+    """Per-jaxpr evaluation state: values, and what is known about each."""
 
-    def cast_var(v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
-        if isinstance(v, jax_core.Literal) or x.dtype == dtype:
-            return _cast(x, dtype)
+    def __init__(self) -> None:
+        self.vals: dict[Any, Any] = {}
+        self.held: set[Any] = set()
+        self.static: set[Any] = set()
+        self.known: dict[Any, np.ndarray] = {}
+        self.index: set[Any] = set()  # decided values and floats made from integers
+        # one convert per value and dtype, not per use
+        self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
+
+    def read(self, v: Any) -> Any:
+        return v.val if isinstance(v, jc.Literal) else self.vals[v]
+
+    def is_static(self, v: Any) -> bool:
+        return isinstance(v, jc.Literal) or v in self.static
+
+    def known_value(self, v: Any) -> Any:
+        return jc.literal_array(v) if isinstance(v, jc.Literal) else self.known.get(v)
+
+    def cast(self, v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+        known = self.known_value(v)
+        # A constant that is known to fit needs no clamp.
+        saturate = known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
+        if isinstance(v, jc.Literal):
+            return _cast(jc.literal_array(v), dtype, saturate=saturate)
+        if x.dtype == dtype:
+            return x
         key = (v, np.dtype(dtype), shape)
-        if key not in casts:
+        if key not in self.casts:
             if x.ndim == len(shape) and x.shape != shape and np.dtype(dtype).itemsize < 4:
                 # Broadcast in float32 before casting down: the transpose is then a float32
                 # sum (a bias gradient), not a half one.
                 x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
-            casts[key] = _cast(x, dtype)
-        return casts[key]
+            self.casts[key] = _cast(x, dtype, saturate=saturate)
+        return self.casts[key]
 
+
+def _known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
+    """The values of an equation on trace-time constants, when small (to check casts)."""
+    name = eqn.primitive.name
+    if any(k is None for k in known) or not (name in ops.KNOWN_OPS or name in SHAPE_OPS):
+        return None
+    if any(int(np.prod(v.aval.shape)) > _KNOWN_LIMIT for v in eqn.outvars):
+        return None
+    try:
+        with jax.ensure_compile_time_eval():
+            out = jc.bind(eqn.primitive, list(known), eqn.params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        return [np.asarray(o) for o in outs]
+    except Exception:  # a primitive that cannot run eagerly here: the value stays unknown
+        return None
+
+
+def _eval_jaxpr(
+    ctx: _Context,
+    jaxpr: Any,
+    consts: list[Any],
+    args: list[Any],
+    mode: Any,
+    *,
+    in_static: list[bool] | None = None,
+    in_held: list[bool] | None = None,
+    in_known: list[Any] | None = None,
+    out_flags: tuple[Flags, ...] | None = None,
+    traceback: Any = None,
+) -> tuple[list[Any], list[bool]]:
+    """Evaluates `jaxpr` under the policy; returns its outputs and which are held in float32.
+
+    `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
+    a cached trace made elsewhere.
+    """
+    facts = _analyze(ctx, jaxpr, out_flags or (_NONE,) * len(jaxpr.outvars), mode)
+    env = _Env()
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = x
-    for v, x in zip(jaxpr.invars, args, strict=True):
-        env[v] = x
+        env.vals[v] = x
+        env.static.add(v)
+        if isinstance(x, (np.ndarray, np.generic)) or (
+            isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        ):
+            if np.size(x) <= _KNOWN_LIMIT:
+                env.known[v] = np.asarray(x)
+    for i, (v, x) in enumerate(zip(jaxpr.invars, args, strict=True)):
+        env.vals[v] = x
+        if in_static[i] if in_static is not None else not _is_float(v.aval.dtype):
+            env.static.add(v)
+        if in_held is not None and in_held[i]:
+            env.held.add(v)
+        if in_known is not None and in_known[i] is not None:
+            env.known[v] = in_known[i]
     for eqn in jaxpr.eqns:
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
-        invals = [_read(env, v) for v in eqn.invars]
-        in_held = [not isinstance(v, jax_core.Literal) and v in held for v in eqn.invars]
+        invals = [env.read(v) for v in eqn.invars]
+        static = [env.is_static(v) for v in eqn.invars]
         tb = traceback if traceback is not None else eqn.source_info.traceback
-        with source_info_util.user_context(tb, name_stack=name_stack):
+        with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
-                outvals, hold = _eval_eqn(eqn, invals, ctx, eqn_mode, in_held, cast_var, tb)
-        if not eqn.primitive.multiple_results:
-            outvals = [outvals]
-        for v, x in zip(eqn.outvars, outvals, strict=True):
-            if not isinstance(v, jax_core.DropVar):
-                env[v] = x
-                if hold:
-                    held.add(v)
-    return [_read(env, v) for v in jaxpr.outvars]
+                outvals, holds = _eval_eqn(ctx, eqn, invals, env, facts, eqn_mode, tb)
+        known = None
+        if all(static):
+            known = _known_outputs(eqn, [env.known_value(v) for v in eqn.invars])
+        for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
+            if isinstance(v, jc.DropVar):
+                continue
+            env.vals[v] = x
+            if holds[i]:
+                env.held.add(v)
+            if all(static):
+                env.static.add(v)
+                if known is not None:
+                    env.known[v] = known[i]
+    outs = [env.read(v) for v in jaxpr.outvars]
+    return outs, [not isinstance(v, jc.Literal) and v in env.held for v in jaxpr.outvars]
 
 
 def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
@@ -259,133 +532,201 @@ def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
     return out
 
 
-class _CannotRebuild(Exception):
-    """A sub-jaxpr cannot be rebuilt with casts; the equation then runs as traced."""
-
-
-def _shard_map_context(params: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-    """The axis environment, manual mesh and vma checking that shard_map traces its body in."""
-    try:
-        from jax._src import config
-        from jax._src import shard_map as shard_map_internal
-        from jax._src.mesh import use_abstract_mesh
-    except ImportError:
-        raise _CannotRebuild("shard_map internals moved") from None
-    mesh, manual = params["mesh"], params.get("newly_manual_axes", frozenset())
-    stack = contextlib.ExitStack()
-    stack.enter_context(shard_map_internal._extend_axis_env(mesh, manual))
-    stack.enter_context(use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, manual)))
-    stack.enter_context(config._check_vma(params.get("check_vma", True)))
-    return stack
-
-
-def _trace(body: Callable[..., list[Any]], avals: list[Any], context: Any = None) -> Any:
-    """Traces `body` at exactly `avals` (weak types and shard_map's varying axes included)."""
-    try:
-        from jax._src import api_util
-        from jax._src import linear_util as lu
-        from jax._src.interpreters import partial_eval as pe
-
-        debug = api_util.debug_info("mpjax.autocast", body, tuple(avals), {})
-        fun = lu.wrap_init(body, debug_info=debug)
-        with context or contextlib.nullcontext():
-            jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, list(avals))
-        return jax_core.ClosedJaxpr(jaxpr, consts)
-    except (ImportError, AttributeError, TypeError):  # JAX internals moved: the public way
-        if context is not None:
-            raise _CannotRebuild("no internal tracing API for a named-axis body") from None
-        specs = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-            for a in avals
-        ]
-        return jax.make_jaxpr(body)(*specs)
-
-
 def _rebuild_closed(
-    closed: Any, ctx: _Context, mode: Any, context: Any = None, traceback: Any = None
+    ctx: _Context,
+    closed: Any,
+    mode: Any,
+    flags: tuple[list[bool], list[bool], tuple[Flags, ...] | None],
+    context: Any = None,
+    traceback: Any = None,
 ) -> Any:
     """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
+    in_static, in_held, out_flags = flags
 
     def body(*args: Any) -> list[Any]:
-        outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), list(args), ctx, mode, traceback)
+        outs, _ = _eval_jaxpr(
+            ctx,
+            closed.jaxpr,
+            list(closed.consts),
+            list(args),
+            mode,
+            in_static=in_static,
+            in_held=in_held,
+            out_flags=out_flags,
+            traceback=traceback,
+        )
         return _to_traced(outs, closed.out_avals)
 
-    return _trace(body, list(closed.in_avals), context)
+    try:
+        return jc.trace(body, list(closed.in_avals), context)
+    except (ImportError, AttributeError) as e:  # JAX internals moved
+        raise _CannotRebuild(str(e)) from None
 
 
-def _rebuild_param(
-    value: Any, ctx: _Context, mode: Any, context: Any = None, traceback: Any = None
-) -> Any:
+_CannotRebuild = jc.CannotRebuild
+
+
+def _rebuild_param(ctx: _Context, value: Any, mode: Any, flags: Any, context: Any, tb: Any) -> Any:
     if isinstance(value, tuple):
-        return tuple(_rebuild_param(v, ctx, mode, context, traceback) for v in value)
-    if isinstance(value, jax_core.ClosedJaxpr):
-        return _rebuild_closed(value, ctx, mode, context, traceback)
-    if isinstance(value, jax_core.Jaxpr):
+        return tuple(_rebuild_param(ctx, v, mode, flags, context, tb) for v in value)
+    if isinstance(value, jc.ClosedJaxpr):
+        return _rebuild_closed(ctx, value, mode, flags, context, tb)
+    if isinstance(value, jc.Jaxpr):
         if value.constvars:
             raise _CannotRebuild("open jaxpr with constvars")
-        rebuilt = _rebuild_closed(jax_core.ClosedJaxpr(value, []), ctx, mode, context, traceback)
+        rebuilt = _rebuild_closed(ctx, jc.ClosedJaxpr(value, []), mode, flags, context, tb)
         if rebuilt.consts:
             raise _CannotRebuild("rebuilt jaxpr captured constants")
         return rebuilt.jaxpr
     return value
 
 
-def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> Any:
-    return eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+def _sub_flags(
+    eqn: Any,
+    key: str,
+    static: list[bool],
+    held: list[bool],
+    facts: _Facts,
+    ctx: _Context,
+    mode: Any,
+) -> tuple[list[bool], list[bool], tuple[Flags, ...] | None]:
+    """What is known about a sub-jaxpr's inputs (static, held) and its outputs' uses."""
+    name, p = eqn.primitive.name, eqn.params
+    n = len(eqn.invars)
+    if name in _CUSTOM_CALLS or name in ("remat2", "checkpoint"):
+        return static, held, tuple(facts.flags(v) for v in eqn.outvars)
+    if name == "cond":
+        return static[1:], held[1:], tuple(facts.flags(v) for v in eqn.outvars)
+    if name == "scan":
+        k = p["num_consts"]
+        return static[:k] + [False] * (n - k), held[:k] + [False] * (n - k), None
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        nc = n - cn - bn
+        if key == "cond_jaxpr":
+            return static[:cn] + [False] * nc, held[:cn] + [False] * nc, None
+        _, _, decided = _while_facts(ctx, eqn, mode)
+        out_flags = tuple((i in decided, False) for i in range(nc))
+        return static[cn : cn + bn] + [False] * nc, held[cn : cn + bn] + [False] * nc, out_flags
+    return [False] * n, [False] * n, None
+
+
+def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool]) -> Callable[[Any], Any]:
+    """Makes a custom-derivative rule (jvp, fwd, bwd) run under the policy, with its traced
+    dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
+
+    def wrap(rule: Any) -> Any:
+        def run(*args: Any) -> Any:
+            dynamic = [i for i, a in enumerate(args) if _is_dynamic(a)]
+
+            def flat(*dyn: Any) -> Any:
+                full = list(args)
+                for i, x in zip(dynamic, dyn, strict=True):
+                    full[i] = x
+                return rule.call_wrapped(*full)
+
+            closed = jc.trace(flat, [jc.aval_of(args[i]) for i in dynamic])
+            nheld = len(held)
+            in_held = None
+            if len(dynamic) in (nheld, 2 * nheld):  # primals, or primals and tangents
+                in_held = (held * 2)[: len(dynamic)]
+            outs, _ = _eval_jaxpr(
+                ctx,
+                closed.jaxpr,
+                list(closed.consts),
+                [args[i] for i in dynamic],
+                mode,
+                in_static=[False] * len(dynamic),
+                in_held=in_held,
+            )
+            return _to_traced(outs, closed.out_avals)
+
+        return jc.wrap_fun(rule, run)
+
+    return wrap
 
 
 def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
     # Marked in the HLO metadata so that the audit can show where autocast stood aside.
     with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}"):
-        return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
+        return jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
 
 
 def _eval_eqn(
-    eqn: Any,
-    invals: list[Any],
-    ctx: _Context,
-    mode: Any,
-    in_held: list[bool],
-    cast_var: Callable[[Any, Any, np.dtype, tuple[int, ...]], Any],
-    traceback: Any = None,
-) -> tuple[Any, bool]:
+    ctx: _Context, eqn: Any, invals: list[Any], env: _Env, facts: _Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[bool]]:
     name = eqn.primitive.name
+    nout = len(eqn.outvars)
+    multiple = eqn.primitive.multiple_results
+    static = [env.is_static(v) for v in eqn.invars]
+    held = [not isinstance(v, jc.Literal) and v in env.held for v in eqn.invars]
     if name in INLINE_CALLS:
         closed = eqn.params[INLINE_CALLS[name]]
-        outs = _eval_jaxpr(closed.jaxpr, list(closed.consts), invals, ctx, mode, traceback)
-        return outs, False
+        return _eval_jaxpr(
+            ctx,
+            closed.jaxpr,
+            list(closed.consts),
+            invals,
+            mode,
+            in_static=static,
+            in_held=held,
+            in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
+            out_flags=tuple(facts.flags(v) for v in eqn.outvars),
+            traceback=tb,
+        )
     if name in _SUBJAXPR_PARAMS:
         try:
             params = dict(eqn.params)
             for key in _SUBJAXPR_PARAMS[name]:
-                context = _shard_map_context(params) if name == "shard_map" else None
-                params[key] = _rebuild_param(params[key], ctx, mode, context, traceback)
-            return _bind(eqn, _to_traced(invals, [v.aval for v in eqn.invars]), params), False
+                context = jc.shard_map_context(params) if name == "shard_map" else None
+                flags = _sub_flags(eqn, key, static, held, facts, ctx, mode)
+                params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
+            wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
+            args = _to_traced(invals, [v.aval for v in eqn.invars])
+            out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
+            return (list(out) if multiple else [out]), [False] * nout
         except _CannotRebuild:
             if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
-                return _eval_jaxpr(eqn.params["jaxpr"], [], invals, ctx, mode, traceback), False
-            return _bind_untouched(eqn, invals), False
-    if any(isinstance(p, (jax_core.Jaxpr, jax_core.ClosedJaxpr)) for p in eqn.params.values()):
-        return _bind_untouched(eqn, invals), False  # a higher-order primitive we do not know
+                return _eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
+            out = _bind_untouched(eqn, invals)
+            return (list(out) if multiple else [out]), [False] * nout
+    if any(isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values()):
+        out = _bind_untouched(eqn, invals)  # a higher-order primitive we do not know
+        return (list(out) if multiple else [out]), [False] * nout
 
-    target, hold = _target_dtype(name, eqn, invals, mode, ctx.policy, in_held)
+    vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
+    known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
+    index = [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars]
+    out_flags = [facts.flags(v) for v in eqn.outvars]
+    target, hold = _target_dtype(
+        name, eqn, vals, mode, ctx.policy, held, static, index, known, out_flags
+    )
+    if target == "traced" or (
+        name == "convert_element_type" and not _is_float(eqn.invars[0].aval.dtype)
+    ):
+        env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
     if target is None:
-        return _bind(eqn, invals, eqn.params), hold
-    if isinstance(target, str):  # "traced"
-        return _bind_untouched(eqn, invals), False
-    if name == "convert_element_type":
+        out = jc.bind(eqn.primitive, invals, eqn.params)
+    elif target == "untouched":
+        out = _bind_untouched(eqn, invals)
+    elif target == "traced":
+        out = jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
+    elif name == "convert_element_type":
         src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
         if src == dst and _is_float(dst):  # a weak-type change only: keep the current dtype
-            return invals[0], in_held[0]
-        return _bind(eqn, invals, eqn.params), False
-    out_shape = tuple(eqn.outvars[0].aval.shape) if name in _ELEMENTWISE else None
-    cast_vals = [
-        cast_var(v, x, target, out_shape if out_shape is not None else tuple(x.shape))
-        if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
-        else x
-        for x, v in zip(invals, eqn.invars, strict=True)
-    ]
-    return _bind(eqn, cast_vals, _fix_params(eqn.params, target)), hold
+            return [invals[0]], [held[0]]
+        out = jc.bind(eqn.primitive, invals, eqn.params)
+        hold = False
+    else:
+        out_shape = tuple(eqn.outvars[0].aval.shape) if name in _ELEMENTWISE else None
+        cast_vals = [
+            env.cast(v, x, target, out_shape if out_shape is not None else tuple(x.shape))
+            if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
+            else raw
+            for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
+        ]
+        out = jc.bind(eqn.primitive, cast_vals, _fix_params(eqn.params, target))
+    return (list(out) if multiple else [out]), [hold] * nout
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -445,26 +786,97 @@ def autocast(
     hardware.warn_if_slow(policy)
     ctx = _Context(policy, dict(rules or {}))
 
+    cache: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
-
-        def flat_fn(*dyn: Any) -> Any:
-            full = list(leaves)
-            for i, x in zip(dynamic, dyn, strict=True):
-                full[i] = x
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return fn(*a, **k)
-
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
-            *[leaves[i] for i in dynamic]
-        )
-        outs = _eval_jaxpr(
-            closed.jaxpr, list(closed.consts), [leaves[i] for i in dynamic], ctx, policy
-        )
-        if cast_outputs:
-            outs = [_cast(x, policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+        dyn = [leaves[i] for i in dynamic]
+        key = _signature(treedef, leaves, dynamic)
+        entry = cache.get(key) if key is not None else None
+        if entry is None:
+            entry = _build(ctx, policy, fn, leaves, treedef, dynamic, cast_outputs)
+            if key is not None and entry.cacheable:
+                cache[key] = entry
+                if len(cache) > _CACHE_SIZE:
+                    cache.popitem(last=False)
+        else:
+            cache.move_to_end(key)
+        return entry(dyn)
 
     return wrapped
+
+
+_CACHE_SIZE = 64
+
+
+def _signature(treedef: Any, leaves: list[Any], dynamic: list[int]) -> Any:
+    """What a trace depends on, as jax.jit keys its cache: the tree, the static leaves, and
+    each array's shape, dtype and weak type. None when a static leaf is unhashable."""
+    dyn = set(dynamic)
+    try:
+        static = tuple((i, x) for i, x in enumerate(leaves) if i not in dyn)
+        hash(static)
+        avals = tuple(jc.aval_of(leaves[i]) for i in dynamic)
+        hash(avals)
+    except TypeError:
+        return None
+    return (treedef, static, avals, str(jc.current_name_stack()))
+
+
+class _Entry:
+    """One traced signature: the autocast jaxpr, run jitted when called eagerly."""
+
+    def __init__(self, closed: Any, out_tree: Any, direct: Callable[..., Any] | None):
+        self.out_tree = out_tree
+        self.cacheable = direct is None
+        self.direct = direct
+        if closed is not None:
+            run = jax.extend.core.jaxpr_as_fun(closed)
+            self.run = run
+            self.jitted = jax.jit(run)
+
+    def __call__(self, dyn: list[Any]) -> Any:
+        if self.direct is not None:
+            outs = self.direct(dyn)
+        elif any(isinstance(x, jax.core.Tracer) for x in dyn):
+            outs = self.run(*dyn)
+        else:
+            outs = self.jitted(*dyn)
+        return jax.tree_util.tree_unflatten(self.out_tree, list(outs))
+
+
+def _build(
+    ctx: _Context,
+    policy: Policy,
+    fn: Callable[..., Any],
+    leaves: list[Any],
+    treedef: Any,
+    dynamic: list[int],
+    cast_outputs: bool,
+) -> _Entry:
+    def flat_fn(*dyn: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(dynamic, dyn, strict=True):
+            full[i] = x
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fn(*a, **k)
+
+    dyn_leaves = [leaves[i] for i in dynamic]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_leaves)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+
+    def evaluate(dyn: list[Any]) -> list[Any]:
+        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), policy)
+        if cast_outputs:
+            outs = [_cast(x, policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
+        return outs
+
+    if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        # `fn` closes over a tracer of an enclosing transformation: evaluate now, never cache.
+        return _Entry(None, out_tree, evaluate)
+    ctx.memo.clear()
+    casted = jc.trace(lambda *dyn: evaluate(list(dyn)), [v.aval for v in closed.jaxpr.invars])
+    ctx.memo.clear()
+    return _Entry(casted, out_tree, None)

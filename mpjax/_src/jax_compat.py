@@ -1,4 +1,4 @@
-"""Every use of JAX internals (``jax._src``) in mpjax, each branch naming the JAX versions it serves.
+"""Every use of JAX internals (``jax._src``) in mpjax, each branch naming its JAX versions.
 
 mpjax supports JAX 0.6.0 to the newest release. Public APIs are used wherever they exist; what
 follows has no public equivalent (evaluating and re-tracing jaxprs, custom-derivative rules,
@@ -13,9 +13,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core  # Literal, DropVar, Jaxpr, ClosedJaxpr: same names in 0.6-0.10
+from jax._src import (
+    core,  # Literal, DropVar, Jaxpr, ClosedJaxpr: same names in 0.6-0.10
+    source_info_util,
+)
 from jax._src import linear_util as lu
-from jax._src import source_info_util
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax import lax as lax_internal
 
@@ -36,7 +38,7 @@ def literal_array(v: Any) -> np.ndarray:
 
 
 def aval_of(x: Any) -> Any:
-    """The abstract value of an array or tracer (``jax.typeof`` from 0.7, ``core.get_aval`` before)."""
+    """The abstract value of an array or tracer (``jax.typeof`` from 0.7, else ``get_aval``)."""
     typeof = getattr(jax, "typeof", None)
     return typeof(x) if typeof is not None else core.get_aval(x)
 

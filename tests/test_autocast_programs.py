@@ -1,0 +1,435 @@
+"""Autocast on real programs: each test is a class of program that users write (literals,
+masked attention, epsilons, position tables, custom rules under grad, randomness, sums of
+squares, decisions and loops), checked against the same program in float32/float64."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import mpjax
+
+LEVELS = ["O1", "O2", "O3"]
+DTYPES = ["float16", "bfloat16"]
+GRID = [(lv, dt) for lv in LEVELS for dt in DTYPES]
+HALF_EPS = {"float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def policy(level, dtype):
+    return mpjax.Policy.from_level(level, dtype)
+
+
+def run(fn, level, dtype, *args):
+    """fn under autocast, its outputs in float64 (eager and jitted must agree)."""
+    f = mpjax.autocast(fn, policy(level, dtype))
+    out = jax.jit(f)(*args)
+    eager = f(*args)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), 1e-6, 1e-6)
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), out)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# -- 1. Python-float literals in any primitive ----------------------------------------------------
+
+LITERAL_PROGRAMS = {
+    "log_literal": lambda x: x * jnp.log(10000.0),
+    "sqrt_float": lambda x: x / jnp.sqrt(float(x.shape[-1])),
+    "pad_value": lambda x: jnp.pad(x, 1, constant_values=0.5),
+    "lt_literal": lambda x: jnp.where(lax.lt(x.sum(), 3.0), x, -x),
+    "while_literal": lambda x: x + lax.while_loop(lambda c: c < 3.0, lambda c: c + 1.0, 0.0),
+    "clip_literals": lambda x: jnp.clip(x, -0.5, 0.5) * 2.0,
+    "full_like": lambda x: x + jnp.full_like(x, 0.25),
+    "pow_literal": lambda x: jnp.abs(x) ** 1.5,
+    "max_literal": lambda x: lax.max(x, 0.1),
+    "cond_literal": lambda x: lax.cond(x.sum() > 0.0, lambda y: y * 2.0, lambda y: y - 1.0, x),
+    "scan_literal": lambda x: lax.scan(lambda c, y: (c * 0.5 + y, c.sum()), x[0] * 0.0, x)[0],
+    "select_literal": lambda x: lax.select(x > 0.0, x, jnp.zeros_like(x) + 0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LITERAL_PROGRAMS))
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_literals_in_any_primitive(name, level, dtype):
+    fn = LITERAL_PROGRAMS[name]
+    x = jnp.asarray(rng().normal(size=(4, 8)), jnp.float32)
+    ref = np.asarray(fn(x), np.float64)
+    out = run(fn, level, dtype, x)
+    assert np.all(np.isfinite(out))
+    assert rel_err(out, ref) < 20 * HALF_EPS[dtype]
+
+
+# -- 2. Constants keep their meaning --------------------------------------------------------------
+
+
+def padded_batch(b=3, t=8, d=16, seed=0):
+    r = rng(seed)
+    x = jnp.asarray(r.normal(size=(b, t, d)), jnp.float32)
+    lengths = np.array([t, 5, 2][:b])
+    pad = jnp.asarray(np.arange(t)[None, :] < lengths[:, None])  # True for real tokens
+    return x, pad
+
+
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_dot_product_attention_padding_mask_stays_finite(level, dtype):
+    x, pad = padded_batch()
+    mask = pad[:, None, :, None] & pad[:, None, None, :]  # padded query rows fully masked
+
+    def loss(x):
+        q = x[:, :, None, :]  # [B, T, heads=1, D]
+        out = jax.nn.dot_product_attention(q, q, q, mask=mask)
+        return jnp.sum(out[..., 0, :] * pad[..., None])  # padded rows multiplied by zero
+
+    ref_l, ref_g = jax.value_and_grad(loss)(x)
+    f = mpjax.autocast(jax.value_and_grad(loss), policy(level, dtype))
+    val, g = jax.jit(f)(x)
+    assert np.isfinite(float(val)) and np.all(np.isfinite(np.asarray(g, np.float32)))
+    assert rel_err(g, ref_g) < 30 * HALF_EPS[dtype]
+    assert abs(float(val) - float(ref_l)) <= 30 * HALF_EPS[dtype] * max(1.0, abs(float(ref_l)))
+
+
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_flax_linen_attention_padding_mask_stays_finite(level, dtype):
+    nn = pytest.importorskip("flax.linen")
+    x, pad = padded_batch()
+    model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+    params = model.init(jax.random.key(0), x, mask=nn.make_attention_mask(pad, pad))
+
+    def loss(p, x):
+        y = model.apply(p, x, mask=nn.make_attention_mask(pad, pad))
+        return jnp.mean((y * pad[..., None]) ** 2)
+
+    ref = jax.grad(loss)(params, x)
+    g = jax.jit(mpjax.autocast(jax.grad(loss), policy(level, dtype)))(params, x)
+    assert_grads_close(g, ref, dtype)
+
+
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_flax_nnx_attention_padding_mask_stays_finite(level, dtype):
+    nnx = pytest.importorskip("flax.nnx")
+    x, pad = padded_batch()
+    model = nnx.MultiHeadAttention(
+        num_heads=2, in_features=16, qkv_features=16, decode=False, rngs=nnx.Rngs(0)
+    )
+    graphdef, state = nnx.split(model)
+    mask = nnx.make_attention_mask(pad, pad)
+
+    def loss(state, x):
+        m = nnx.merge(graphdef, state)
+        return jnp.mean((m(x, mask=mask) * pad[..., None]) ** 2)
+
+    ref = jax.grad(loss)(state, x)
+    g = jax.jit(mpjax.autocast(jax.grad(loss), policy(level, dtype)))(state, x)
+    assert_grads_close(g, ref, dtype)
+
+
+def assert_grads_close(g, ref, dtype):
+    """Every gradient finite, and the whole gradient close to float32's (leaves whose own
+    gradient is ~0, such as the key bias of softmax attention, are only noise)."""
+    flat = np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(g)])
+    flat_ref = np.concatenate([np.ravel(np.asarray(a, np.float64)) for a in jax.tree.leaves(ref)])
+    assert np.all(np.isfinite(flat))
+    assert rel_err(flat, flat_ref) < 50 * HALF_EPS[dtype]
+
+
+EPSILON_PROGRAMS = {
+    "log_sigmoid_eps": lambda z: jnp.log(jax.nn.sigmoid(z) + 1e-7),
+    "l2_normalize_eps": lambda x: x / (jnp.linalg.norm(x, axis=-1, keepdims=True) + 1e-12),
+    "safe_div_eps": lambda x: x / (jnp.abs(x).sum(-1, keepdims=True) + 1e-12),
+    "rsqrt_eps": lambda x: x * lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EPSILON_PROGRAMS))
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_epsilons_do_not_vanish(name, level, dtype):
+    fn = EPSILON_PROGRAMS[name]
+    x = rng(1).normal(size=(4, 16)) * 3
+    x[0] = 0.0  # an all-zero row
+    x[1, :8] = -30.0  # sigmoid underflows in half
+    x = jnp.asarray(x, jnp.float32)
+    ref = np.asarray(fn(x), np.float64)
+    out = run(fn, level, dtype, x)
+    assert np.all(np.isfinite(out)), f"{name}: non-finite at {level} {dtype}"
+    assert rel_err(out, ref) < 20 * HALF_EPS[dtype]
+
+
+def sinusoidal(x):
+    t, d = x.shape[-2], x.shape[-1]
+    pos = jnp.arange(t)[:, None]
+    freq = jnp.exp(-jnp.log(10000.0) * jnp.arange(0, d, 2) / d)
+    ang = pos * freq
+    pe = jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], -1)
+    return x + pe
+
+
+def rope(x):
+    t, d = x.shape[-2], x.shape[-1]
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+@pytest.mark.parametrize("fn", [sinusoidal, rope], ids=["sinusoidal", "rope"])
+@pytest.mark.parametrize("level,dtype", [("O2", "float16"), ("O2", "bfloat16"), ("O3", "float16")])
+def test_position_tables_keep_their_positions(fn, level, dtype):
+    x = jnp.asarray(rng(2).normal(size=(4096, 64)) * 0.1, jnp.float32)
+    ref = np.asarray(fn(x), np.float64)
+    out = run(fn, level, dtype, x)
+    # Half rounding of the output only (the table itself computed in float32).
+    assert np.max(np.abs(out - ref)) < 4 * HALF_EPS[dtype] * max(1.0, np.max(np.abs(ref)))
+
+
+# -- 3. custom_jvp / custom_vjp under differentiation ---------------------------------------------
+
+
+@jax.custom_vjp
+def custom_matmul(x, w):
+    return x @ w
+
+
+def _cm_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _cm_bwd(res, g):
+    x, w = res
+    return g @ w.T, x.T @ g
+
+
+custom_matmul.defvjp(_cm_fwd, _cm_bwd)
+
+
+@jax.custom_jvp
+def custom_tanh_matmul(x, w):
+    return jnp.tanh(x @ w)
+
+
+@custom_tanh_matmul.defjvp
+def _ctm_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    y = jnp.tanh(x @ w)
+    return y, (1 - y**2) * (dx @ w + x @ dw)
+
+
+def dot_dtypes(fn, *args):
+    """The operand dtypes of every dot in the optimized... lowered program of fn."""
+    text = jax.jit(fn).lower(*args).as_text()
+    import re
+
+    return re.findall(r"stablehlo.dot_general[^\n]*?:\s*\(tensor<[^>]*x(\w+)>", text)
+
+
+@pytest.mark.parametrize("prim", [custom_matmul, custom_tanh_matmul], ids=["vjp", "jvp"])
+@pytest.mark.parametrize("level,dtype", [("O1", "float16"), ("O2", "bfloat16")])
+def test_custom_rules_follow_the_policy_under_grad(prim, level, dtype):
+    def loss(w, x):
+        return jnp.sum(prim(x, w) ** 2)
+
+    w = jnp.asarray(rng(3).normal(size=(16, 16)) * 0.3, jnp.float32)
+    x = jnp.asarray(rng(4).normal(size=(8, 16)), jnp.float32)
+    f = mpjax.autocast(jax.value_and_grad(loss), policy(level, dtype))
+    half = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    dts = dot_dtypes(f, w, x)
+    assert dts and all(d == half for d in dts), dts  # forward and backward dots in half
+    fwd_only = mpjax.autocast(loss, policy(level, dtype))
+    val, g = jax.jit(f)(w, x)
+    np.testing.assert_allclose(float(val), float(jax.jit(fwd_only)(w, x)), rtol=HALF_EPS[dtype])
+    ref = jax.grad(loss)(w, x)
+    assert rel_err(g, ref) < 30 * HALF_EPS[dtype]
+
+
+# -- 4. random numbers inside a function ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_random_samplers_keep_their_meaning(level, dtype):
+    def sample(key, x):
+        k = jax.random.split(key, 5)
+        return {
+            "normal": jax.random.normal(k[0], (20000,)),
+            "exponential": jax.random.exponential(k[1], (20000,)),
+            "gumbel": jax.random.gumbel(k[2], (20000,)),
+            "uniform": jax.random.uniform(k[3], (20000,), minval=0.0, maxval=1.0),
+            "dropout": x * jax.random.bernoulli(k[4], 0.9, x.shape) / 0.9,
+        }
+
+    key = jax.random.key(0)
+    x = jnp.ones((64, 64))
+    ref = jax.tree.map(np.asarray, sample(key, x))
+    out = jax.jit(mpjax.autocast(sample, policy(level, dtype).with_output_dtype("float32")))(key, x)
+    out = jax.tree.map(np.asarray, out)
+    for name in ("normal", "exponential", "gumbel", "uniform"):
+        assert np.all(np.isfinite(out[name])), name
+        np.testing.assert_array_equal(out[name], ref[name])  # generated as traced
+    assert np.all(out["uniform"] < 1.0)
+    assert len(np.unique(out["uniform"])) > 19000
+    np.testing.assert_array_equal(out["dropout"] == 0, ref["dropout"] == 0)
+
+
+# -- 5. sums of squares ---------------------------------------------------------------------------
+
+
+def rms_norm(x):
+    return x * lax.rsqrt(jnp.mean(x**2, -1, keepdims=True) + 1e-6)
+
+
+def layer_norm(x):
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
+    return (x - mu) / jnp.sqrt(var + 1e-5)
+
+
+SQUARE_PROGRAMS = {
+    "linalg_norm": lambda x: jnp.linalg.norm(x, axis=-1),
+    "sqrt_sum_xx": lambda x: jnp.sqrt(jnp.sum(x * x, -1)),
+    "mean_pow2": lambda x: jnp.mean(x**2, -1),
+    "rms_norm": rms_norm,
+    "layer_norm": layer_norm,
+    "mse_loss": lambda x: optax.l2_loss(x, jnp.zeros_like(x)).mean(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SQUARE_PROGRAMS))
+@pytest.mark.parametrize("level,dtype", [("O1", "float16"), ("O2", "float16"), ("O2", "bfloat16")])
+def test_sums_of_squares_do_not_overflow(name, level, dtype):
+    fn = SQUARE_PROGRAMS[name]
+    x = jnp.asarray(rng(5).normal(size=(8, 256)) * 600.0, jnp.float32)  # entries above 256
+    ref = np.asarray(fn(x), np.float64)
+    out = run(fn, level, dtype, x)
+    assert np.all(np.isfinite(out)), name
+    assert rel_err(out, ref) < 10 * HALF_EPS[dtype]
+
+
+# -- 6. decisions ---------------------------------------------------------------------------------
+
+
+def time_loop(x):
+    def body(c):
+        t, n = c
+        return t + 9e-4, n + 1
+
+    t, n = lax.while_loop(lambda c: c[0] < 3.0, body, (jnp.float32(0.0), 0))
+    return x * t, n
+
+
+def newton_sqrt(a):
+    def body(c):
+        x, _, i = c
+        x_new = 0.5 * (x + a / x)
+        return x_new, jnp.max(jnp.abs(x_new - x)), i + 1
+
+    def cond(c):
+        return (c[1] > 1e-6 * 1e3) & (c[2] < 200)
+
+    x, _, i = lax.while_loop(cond, body, (a, jnp.float32(jnp.inf), 0))
+    return x, i
+
+
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_loop_conditions_run_as_traced(level, dtype):
+    x = jnp.ones((4, 4))
+    (_, n_ref), (_, n) = time_loop(x), run(time_loop, level, dtype, x)
+    assert int(n) == int(n_ref)
+    a = jnp.asarray(rng(6).uniform(1, 100, size=(32,)), jnp.float32)
+    (r_ref, i_ref), (r, i) = newton_sqrt(a), run(newton_sqrt, level, dtype, a)
+    assert int(i) == int(i_ref) < 200
+    assert rel_err(r, r_ref) < 2 * HALF_EPS[dtype]
+
+
+def bilinear(img, coords):
+    """Samples img [H, W] at float coords [N, 2] (as a spatial transformer does)."""
+    y, x = coords[:, 0] * (img.shape[0] - 1), coords[:, 1] * (img.shape[1] - 1)
+    y0, x0 = jnp.floor(y).astype(jnp.int32), jnp.floor(x).astype(jnp.int32)
+    y1, x1 = jnp.minimum(y0 + 1, img.shape[0] - 1), jnp.minimum(x0 + 1, img.shape[1] - 1)
+    wy, wx = y - y0, x - x0
+    top = img[y0, x0] * (1 - wx) + img[y0, x1] * wx
+    bot = img[y1, x0] * (1 - wx) + img[y1, x1] * wx
+    return top * (1 - wy) + bot * wy
+
+
+DECISION_PROGRAMS = {
+    "astype_int": lambda u: ((u * 1000).astype(jnp.int32), u),
+    "searchsorted": lambda u: (jnp.searchsorted(jnp.sort(u), u * 0.999), u),
+    "digitize": lambda u: (jnp.digitize(u, jnp.linspace(0.0, 1.0, 777)), u),
+    "argsort": lambda u: (jnp.argsort(u * 3.0 + 1.0), u),
+    "floor_index": lambda u: (jnp.floor(u * 2047.0).astype(jnp.int32), u),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECISION_PROGRAMS))
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_decisions_are_made_as_traced(name, level, dtype):
+    fn = DECISION_PROGRAMS[name]
+    u = jnp.asarray(rng(7).uniform(size=(4096,)), jnp.float32)
+    ref, _ = fn(u)
+    out, _ = jax.jit(mpjax.autocast(fn, policy(level, dtype)))(u)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_bilinear_sampling_coordinates(level, dtype):
+    img = jnp.asarray(rng(8).normal(size=(512, 512)), jnp.float32)
+    coords = jnp.asarray(rng(9).uniform(size=(1000, 2)), jnp.float32)
+    ref = np.asarray(bilinear(img, coords), np.float64)
+    out = run(bilinear, level, dtype, img, coords)
+    # Only the interpolation weights' rounding, not a wrong pixel.
+    assert rel_err(out, ref) < 4 * HALF_EPS[dtype]
+
+
+# -- 8. eager calls are cached per signature ------------------------------------------------------
+
+
+def test_eager_calls_trace_once_per_signature():
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape)
+        return lax.scan(lambda c, y: (jnp.tanh(c @ y), None), x[0], x)[0]
+
+    f = mpjax.autocast(fn, policy("O2", "bfloat16"))
+    x = jnp.ones((50, 8, 8)) * 0.1
+    first = f(x)
+    n = len(calls)
+    for _ in range(9):
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(first))
+    assert len(calls) == n  # no retrace for the same signature
+    f(jnp.ones((20, 8, 8)))
+    assert len(calls) == n + 1  # a new shape traces again
+    f(x.astype(jnp.float16))
+    assert len(calls) == n + 2  # so does a new dtype
+    f(x)
+    assert len(calls) == n + 2
+
+
+def test_static_arguments_key_the_cache():
+    calls = []
+
+    def fn(x, n):
+        calls.append(n)
+        return x * n
+
+    f = mpjax.autocast(fn, policy("O2", "float16"))
+    x = jnp.ones(3)
+    assert float(f(x, 2)[0]) == 2.0 and float(f(x, 3)[0]) == 3.0
+    f(x, 2)
+    assert calls == [2, 3]
+
+
+def test_closing_over_a_tracer_is_not_cached():
+    f_outer = jax.jit(lambda x, y: mpjax.autocast(lambda z: z * y, policy("O2", "float16"))(x))
+    assert float(f_outer(jnp.ones(2), 2.0)[0]) == 2.0
+    assert float(f_outer(jnp.ones(2), 5.0)[0]) == 5.0
