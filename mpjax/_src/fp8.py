@@ -1,0 +1,532 @@
+"""FP8 dot products with delayed scaling: the recipe, its state pytree, and the autocast hook."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from mpjax._src import autocast as autocast_lib
+from mpjax._src.policy import Policy
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+# The three tensors of a dot site: activations and weights (forward), gradients (backward).
+INPUT, KERNEL, GRAD = 0, 1, 2
+_ROLES = 3
+_ALIGN = 16  # tensor cores take FP8 matrices whose dimensions are multiples of 16
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """TransformerEngine's ``DelayedScaling`` recipe (HYBRID format).
+
+    Each dot site keeps, for its input, kernel and output gradient, a scale and a history of
+    the last ``amax_history_len`` absolute maxima (newest first). After each step the amax seen
+    in that step enters the history, and the scale for the next step is
+    ``fp8_max / amax / 2**margin``, where ``amax`` is the history's maximum (``"max"``) or
+    its newest entry (``"most_recent"``). As in TransformerEngine, an amax of zero or a
+    non-finite amax keeps the previous scale.
+
+    Attributes:
+      margin: the scale is divided by ``2**margin`` (headroom for growing values).
+      amax_history_len: how many steps of amax each tensor remembers.
+      amax_compute_algo: ``"max"`` (of the history) or ``"most_recent"``.
+
+    Example:
+      >>> import mpjax.fp8
+      >>> mpjax.fp8.DelayedScaling(margin=1, amax_history_len=16).amax_compute_algo
+      'max'
+    """
+
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"amax_compute_algo must be 'max' or 'most_recent', got "
+                f"{self.amax_compute_algo!r} (TransformerEngine's two algorithms)."
+            )
+        if int(self.amax_history_len) < 1:
+            raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}.")
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}.")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("scale", "amax_history"),
+                   meta_fields=("recipe",))  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class FP8State:
+    """The delayed-scaling state of every FP8 dot site of a function: a plain pytree.
+
+    Attributes:
+      scale: float32 ``[sites, 3]``: the quantization scale of each site's input, kernel and
+        gradient (``x_fp8 = x * scale``).
+      amax_history: float32 ``[sites, 3, amax_history_len]``, newest first.
+      recipe: the :class:`DelayedScaling` recipe (static: not a leaf).
+    """
+
+    scale: jax.Array
+    amax_history: jax.Array
+    recipe: DelayedScaling
+
+    @property
+    def num_sites(self) -> int:
+        """How many dot sites run in FP8."""
+        return int(self.scale.shape[-2])
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Policy:
+    """A precision policy whose eligible ``dot_general`` ops run in FP8 (HYBRID).
+
+    Every other op follows `base`. Dots whose contracting size or either operand's free size
+    is not a multiple of 16, dots in float32 regions, and dots inside loop, cond, remat or
+    custom-derivative bodies run as `base` says (in its half dtype).
+
+    Attributes:
+      base: the policy for everything else (a half level, O1 or O2).
+      recipe: the delayed-scaling recipe.
+    """
+
+    base: Policy
+    recipe: DelayedScaling = DelayedScaling()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.base, Policy) or not self.base.half or self.base.level == "O0":
+            raise ValueError(
+                "FP8Policy needs a half-precision base policy such as "
+                "mpjax.Policy.from_level('O1', 'bfloat16'); FP8 dots fall back to its half "
+                "dtype when they are too small for FP8."
+            )
+
+
+def policy(
+    level: str = "O1", half_dtype: Any = "bfloat16", recipe: DelayedScaling | None = None
+) -> FP8Policy:
+    """Returns an FP8 policy: `level` in `half_dtype`, with dot_general in FP8.
+
+    Args:
+      level: the base level, "O1" or "O2" (or "O3").
+      half_dtype: the base half dtype (bfloat16 by default, as FP8 training uses).
+      recipe: the delayed-scaling recipe (default ``DelayedScaling()``).
+
+    Returns:
+      An :class:`FP8Policy`.
+
+    Example:
+      >>> import mpjax.fp8
+      >>> p = mpjax.fp8.policy("O2", recipe=mpjax.fp8.DelayedScaling(margin=1))
+      >>> str(p.base), p.recipe.margin
+      ('p=full,c=bf16,o=full', 1)
+    """
+    return FP8Policy(Policy.from_level(level, half_dtype), recipe or DelayedScaling())
+
+
+# -- quantization --------------------------------------------------------------------------------
+
+
+def fp8_max(dtype: Any) -> float:
+    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def qdq(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
+    """Quantizes `x` to `q_dtype` with `scale` (saturating) and dequantizes it to x's dtype.
+
+    The same arithmetic as ``flax.linen.fp8_ops.qdq(x, q_dtype, 1 / scale, x.dtype)``: flax
+    keeps the inverse (dequantization) scale, mpjax keeps TransformerEngine's.
+
+    Args:
+      x: a floating array.
+      q_dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+      scale: a scalar: ``x * scale`` is what is stored in FP8.
+
+    Returns:
+      ``x`` rounded through FP8, in x's dtype.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> x = jnp.array([1.0, 0.3, 1000.0])
+      >>> mpjax.fp8.qdq(x, jnp.float8_e4m3fn, jnp.float32(1.0)).tolist()
+      [1.0, 0.3125, 448.0]
+    """
+    dt = x.dtype
+    inv = (1.0 / scale.astype(jnp.float32)).astype(dt)
+    lim = jnp.asarray(fp8_max(q_dtype), dt)
+    q = jnp.clip(x / jnp.broadcast_to(inv, x.shape), -lim, lim).astype(q_dtype)
+    return q.astype(dt) * jnp.broadcast_to(inv, x.shape)
+
+
+def _amax(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def fp8_dot_general(
+    dimension_numbers: Any,
+    precision: Any,
+    preferred_element_type: Any,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    scale: jax.Array,
+    amax_sink: jax.Array,
+) -> jax.Array:
+    """``lax.dot_general`` through FP8 (HYBRID): E4M3 operands, E5M2 output gradient.
+
+    `scale` holds the input, kernel and gradient scales (float32 ``[3]``). `amax_sink` is
+    a float32 ``[3]`` value that only serves to carry amaxes out: its gradient is
+    ``[amax(lhs), amax(rhs), amax(output gradient)]``, each with the gradient of this one dot.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax.fp8
+      >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
+      >>> dims = (((1,), (0,)), ((), ()))
+      >>> f = lambda x, s: mpjax.fp8.fp8_dot_general(dims, None, None, x, w, jnp.ones(3), s)
+      >>> jax.grad(lambda s: f(x, s).sum() * 0.5, )(jnp.zeros(3))
+      Array([1. , 1. , 0.5], dtype=float32)
+    """
+    out, _ = _fp8_fwd(dimension_numbers, precision, preferred_element_type, lhs, rhs, scale,
+                      amax_sink)  # fmt: skip
+    return out
+
+
+def _dot(dims: Any, precision: Any, pref: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=pref)
+
+
+def _fp8_fwd(
+    dims: Any, precision: Any, pref: Any, lhs: Any, rhs: Any, scale: Any, amax_sink: Any
+) -> tuple[jax.Array, Any]:
+    del amax_sink
+    lq = qdq(lhs, E4M3, scale[INPUT])
+    rq = qdq(rhs, E4M3, scale[KERNEL])
+    out = _dot(dims, precision, pref, lq, rq)
+    return out, (lq, rq, scale, _amax(lhs), _amax(rhs))
+
+
+def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tuple[Any, ...]:
+    lq, rq, scale, amax_l, amax_r = res
+    gq = qdq(g, E5M2, scale[GRAD])
+    _, vjp = jax.vjp(functools.partial(_dot, dims, precision, pref), lq, rq)
+    dl, dr = vjp(gq)
+    amaxes = jnp.stack([amax_l, amax_r, _amax(g)])
+    return dl.astype(lq.dtype), dr.astype(rq.dtype), jnp.zeros_like(scale), amaxes
+
+
+fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+# -- the recipe ----------------------------------------------------------------------------------
+
+_FP8_MAX = np.array([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)], np.float32)
+
+
+def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: DelayedScaling) -> Any:
+    if recipe.amax_compute_algo == "max":
+        amax = jnp.max(history, axis=-1)
+    else:
+        amax = history[..., 0]
+    sf = jnp.asarray(_FP8_MAX) / amax / (2.0**recipe.margin)
+    # TransformerEngine: an amax of zero or inf/NaN keeps the previous scale.
+    ok = (amax > 0.0) & jnp.isfinite(amax)
+    return jnp.where(ok, sf, scale).astype(jnp.float32), ok
+
+
+def update(state: FP8State, amax: jax.Array) -> FP8State:
+    """Returns the state after a step that saw `amax` (float32 ``[sites, 3]``).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> s = mpjax.fp8.FP8State(jnp.ones((1, 3)), jnp.zeros((1, 3, 2)),
+      ...                        mpjax.fp8.DelayedScaling(amax_history_len=2))
+      >>> mpjax.fp8.update(s, jnp.array([[448.0, 0.0, 57344.0]])).scale
+      Array([[1., 1., 1.]], dtype=float32)
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    hist = jnp.concatenate([amax[..., None], state.amax_history[..., :-1]], axis=-1)
+    scale, _ = _scale_from_history(hist, state.scale, state.recipe)
+    return FP8State(scale, hist, state.recipe)
+
+
+def merge(states: Sequence[FP8State]) -> FP8State:
+    """Combines the states that microbatches of one step produced from the same state.
+
+    Gradient accumulation: each microbatch's :func:`value_and_grad` returns a new state; the
+    merged one holds, for each tensor, the largest amax of the step (not the last
+    microbatch's, as the gradient-overwrite trick keeps, nor their sum), and its scale.
+
+    Args:
+      states: the new states, all made from one state by one step each.
+
+    Returns:
+      The state as if the whole batch had been one step.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> r = mpjax.fp8.DelayedScaling(amax_history_len=1)
+      >>> s0 = mpjax.fp8.FP8State(jnp.ones((1, 3)), jnp.zeros((1, 3, 1)), r)
+      >>> a = mpjax.fp8.update(s0, jnp.array([[1.0, 4.0, 2.0]]))
+      >>> b = mpjax.fp8.update(s0, jnp.array([[2.0, 1.0, 2.0]]))
+      >>> mpjax.fp8.merge([a, b]).amax_history[..., 0]
+      Array([[2., 4., 2.]], dtype=float32)
+    """
+    states = list(states)
+    if not states:
+        raise ValueError("merge needs at least one state.")
+    recipe = states[0].recipe
+    if any(s.recipe != recipe for s in states):
+        raise ValueError("merge got states of different recipes.")
+    hists = jnp.stack([s.amax_history for s in states])
+    scales = jnp.stack([s.scale for s in states])
+    hist = jnp.max(hists, axis=0)
+    # Where the merged amax cannot give a scale (zero or not finite), some microbatch kept
+    # the previous scale: take that one.
+    _, oks = jax.vmap(lambda h, s: _scale_from_history(h, s, recipe))(hists, scales)
+    fallback_ix = jnp.argmax(~oks, axis=0)
+    fallback = jnp.take_along_axis(scales, fallback_ix[None], axis=0)[0]
+    scale, _ = _scale_from_history(hist, fallback, recipe)
+    return FP8State(scale, hist, recipe)
+
+
+# -- running a function with FP8 dots ------------------------------------------------------------
+
+
+def _eligible(eqn: Any) -> bool:
+    if eqn.primitive.name != "dot_general":
+        return False
+    lhs, rhs = (v.aval for v in eqn.invars)
+    if not (jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)):
+        return False
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    contract = int(np.prod([lhs.shape[d] for d in lc]))
+    lfree = int(np.prod([n for d, n in enumerate(lhs.shape) if d not in (*lc, *lb)]))
+    rfree = int(np.prod([n for d, n in enumerate(rhs.shape) if d not in (*rc, *rb)]))
+    return all(n > 0 and n % _ALIGN == 0 for n in (contract, lfree, rfree))
+
+
+class _Sites:
+    """The eqn hook: numbers eligible top-level dots in evaluation order and runs them in FP8."""
+
+    def __init__(self, scale: jax.Array | None, sink: jax.Array | None):
+        self.scale, self.sink = scale, sink
+        self.count = 0
+        self.trace = jex_core.get_opaque_trace_state()
+
+    def __call__(self, eqn: Any, invals: list[Any], mode: Any) -> Any:
+        if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn):
+            return None
+        # Bodies of loops, conds and custom rules are traced apart: fan-out there would sum
+        # amaxes over iterations, so their dots stay in the base half dtype.
+        if jex_core.get_opaque_trace_state() != self.trace:
+            return None
+        i = self.count
+        self.count += 1
+        dt = np.dtype(mode.compute_dtype)
+        lhs, rhs = (autocast_lib._cast(x, dt) for x in invals)
+        if self.scale is None:  # counting sites (init)
+            return _dot(eqn.params["dimension_numbers"], None, dt, lhs, rhs)
+        assert self.sink is not None
+        return fp8_dot_general(
+            eqn.params["dimension_numbers"],
+            eqn.params.get("precision"),
+            dt,
+            lhs,
+            rhs,
+            self.scale[i],
+            self.sink[i],
+        )
+
+
+def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    dynamic = [i for i, x in enumerate(leaves) if autocast_lib._is_dynamic(x)]
+
+    def flat_fn(*dyn: Any) -> Any:
+        full = list(leaves)
+        for i, x in zip(dynamic, dyn, strict=True):
+            full[i] = x
+        return fn(*jax.tree_util.tree_unflatten(treedef, full))
+
+    dyn = [leaves[i] for i in dynamic]
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    ctx = autocast_lib._Context(pol.base, {})
+    ctx.eqn_hook = sites
+    outs, _ = autocast_lib._eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), dyn, pol.base)
+    outs = [
+        autocast_lib._cast(x, pol.base.output_dtype) if autocast_lib._is_float(x.dtype) else x
+        for x in outs
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def _check(pol: Any) -> FP8Policy:
+    if not isinstance(pol, FP8Policy):
+        raise TypeError(
+            f"expected an mpjax.fp8.FP8Policy, got {type(pol).__name__}; build one with "
+            "mpjax.fp8.policy('O1')."
+        )
+    return pol
+
+
+def init(fn: Callable[..., Any], pol: FP8Policy, *example_args: Any) -> FP8State:
+    """Returns the initial FP8 state of `fn`: one site per eligible dot_general it runs.
+
+    Scales start at 1 and histories at 0, so the first step runs with scale 1 (as
+    TransformerEngine) and sets the scales from its amaxes.
+
+    Args:
+      fn: the function (usually the loss) to run with FP8 dots; not differentiated here.
+      pol: the :class:`FP8Policy`.
+      *example_args: arguments of the shapes and dtypes `fn` will be called with (only
+        their shapes are used).
+
+    Returns:
+      The :class:`FP8State`.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> loss = lambda w, x: jnp.sum((x @ w) ** 2)
+      >>> state = mpjax.fp8.init(loss, mpjax.fp8.policy(), jnp.ones((32, 16)), jnp.ones((16, 32)))
+      >>> state.num_sites, state.amax_history.shape
+      (1, (1, 3, 1024))
+    """
+    pol = _check(pol)
+    count = []
+
+    def counted(*args: Any) -> Any:
+        sites = _Sites(None, None)
+        out = _run(fn, pol, sites, args)
+        count.append(sites.count)
+        return out
+
+    jax.eval_shape(counted, *example_args)
+    n, length = count[0], pol.recipe.amax_history_len
+    return FP8State(
+        jnp.ones((n, _ROLES), jnp.float32),
+        jnp.zeros((n, _ROLES, length), jnp.float32),
+        pol.recipe,
+    )
+
+
+def _check_state(state: Any, pol: FP8Policy) -> FP8State:
+    if not isinstance(state, FP8State):
+        raise TypeError(f"expected an FP8State from mpjax.fp8.init, got {type(state).__name__}.")
+    if state.recipe != pol.recipe:
+        raise ValueError("the state was made for another recipe than the policy's.")
+    return state
+
+
+def _num_mismatch(expected: int, got: int) -> ValueError:
+    return ValueError(
+        f"the FP8 state has {expected} dot sites but the function ran {got}: make the state "
+        "with mpjax.fp8.init on the same function and argument shapes."
+    )
+
+
+def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
+    """Returns ``f(state, *args)``: `fn` run with FP8 dots at the state's scales (no update).
+
+    For evaluation; training uses :func:`value_and_grad`, which also returns the new state.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> f = lambda w, x: x @ w
+      >>> pol = mpjax.fp8.policy()
+      >>> w, x = jnp.ones((32, 16)), jnp.ones((16, 32))
+      >>> state = mpjax.fp8.init(f, pol, w, x)
+      >>> mpjax.fp8.apply(f, pol)(state, w, x)[0, 0]
+      Array(32., dtype=float32)
+    """
+    pol = _check(pol)
+
+    def wrapped(state: FP8State, *args: Any) -> Any:
+        state = _check_state(state, pol)
+        n = state.num_sites
+        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32))
+        out = _run(fn, pol, sites, args)
+        if sites.count != n:
+            raise _num_mismatch(n, sites.count)
+        return out
+
+    return wrapped
+
+
+def value_and_grad(
+    fn: Callable[..., Any], pol: FP8Policy, *, has_aux: bool = False
+) -> Callable[..., Any]:
+    """Returns ``f(state, params, *args) -> (value, grads, new_state)`` with FP8 dots.
+
+    `fn(params, *args)` runs under ``pol.base`` with its eligible dots in FP8 at the
+    state's scales; `grads` is the gradient with respect to `params`; `new_state` holds the
+    amaxes of this step (those of the gradients too, known only in the backward pass) and
+    the scales for the next step. With ``has_aux=True``, `value` is ``(loss, aux)``.
+
+    The state is threaded by hand, like a loss scale, and never goes near the optimizer.
+    This is safer than the gradient-overwrite trick (Flax's ``fp8_ops``, where the new state
+    comes out as the "gradient" of state variables and must overwrite them):
+
+    - a state filter or ``optax.masked``/``multi_transform`` that drops or zeroes those
+      "gradients" silently freezes the scales;
+    - gradient accumulation (``optax.MultiSteps``, a microbatch loop) sums or averages the
+      overwrite "gradients", or keeps only the last microbatch's amax; :func:`merge` keeps
+      the max;
+    - a ``TrainState`` whose tree holds the FP8 variables changes shape between params and
+      grads, and breaks checkpoints and sharding specs;
+    - an optax chain applies Adam moments, weight decay or clipping to the state unless every
+      transform is told to skip it.
+
+    Args:
+      fn: the loss, ``fn(params, *args)`` returning a float scalar (or ``(loss, aux)``).
+      pol: the :class:`FP8Policy`.
+      has_aux: whether `fn` returns ``(loss, aux)``.
+
+    Returns:
+      A function of ``(state, params, *args)``.
+
+    Raises:
+      ValueError: if the state was not made by :func:`init` for this function's shapes.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax.fp8
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> pol = mpjax.fp8.policy("O1")
+      >>> w, x = jnp.full((32, 16), 0.5), jnp.ones((16, 32))
+      >>> state = mpjax.fp8.init(loss, pol, w, x)
+      >>> step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+      >>> value, grads, state = step(state, w, x)
+      >>> float(value), grads.shape, state.amax_history[0, :, 0].tolist()
+      (256.0, (32, 16), [1.0, 0.5, 0.125])
+    """
+    pol = _check(pol)
+
+    def wrapped(state: FP8State, params: Any, *args: Any) -> Any:
+        state = _check_state(state, pol)
+        n = state.num_sites
+        counts = []
+
+        def inner(p: Any, sink: jax.Array) -> Any:
+            sites = _Sites(state.scale, sink)
+            out = _run(fn, pol, sites, (p, *args))
+            counts.append(sites.count)
+            return out if has_aux else (out, None)
+
+        sink = jnp.zeros((n, _ROLES), jnp.float32)
+        (loss, aux), (grads, amax) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=True)(
+            params, sink
+        )
+        if counts[0] != n:
+            raise _num_mismatch(n, counts[0])
+        value = (loss, aux) if has_aux else loss
+        return value, grads, update(state, amax)
+
+    return wrapped

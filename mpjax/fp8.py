@@ -1,0 +1,34 @@
+"""FP8 for any JAX function: dot_general in float8 (HYBRID), delayed scaling as a pytree.
+
+Import it explicitly (``import mpjax.fp8``); ``import mpjax`` does not load it.
+"""
+
+from mpjax._src.fp8 import (
+    DelayedScaling,
+    FP8Policy,
+    FP8State,
+    apply,
+    fp8_dot_general,
+    fp8_max,
+    init,
+    merge,
+    policy,
+    qdq,
+    update,
+    value_and_grad,
+)
+
+__all__ = (
+    "DelayedScaling",
+    "FP8Policy",
+    "FP8State",
+    "apply",
+    "fp8_dot_general",
+    "fp8_max",
+    "init",
+    "merge",
+    "policy",
+    "qdq",
+    "update",
+    "value_and_grad",
+)
