@@ -181,6 +181,9 @@ class _Context:
             **rules,
         }
         self.memo: dict[Any, Any] = {}
+        # Optional (eqn, operands, policy) -> result or None: runs an op itself instead of the
+        # rule (mpjax.fp8 runs dot_general in FP8 this way). None falls back to the rule.
+        self.eqn_hook: Callable[[Any, list[Any], Policy], Any] | None = None
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:
         markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker]
@@ -694,6 +697,10 @@ def _eval_eqn(
         out = _bind_untouched(eqn, invals)  # a higher-order primitive we do not know
         return (list(out) if multiple else [out]), [False] * nout
 
+    if ctx.eqn_hook is not None and isinstance(mode, Policy):  # see _Context.eqn_hook
+        hooked = ctx.eqn_hook(eqn, invals, mode)
+        if hooked is not None:
+            return (list(hooked) if multiple else [hooked]), [False] * nout
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
     known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
     index = [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars]
