@@ -1,0 +1,279 @@
+"""Tests for mpjax.fp8: qdq, the FP8 dot, the delayed-scaling state and the autocast hook."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.linen import fp8_ops
+
+import mpjax
+import mpjax.fp8
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+F8MAX = np.array([448.0, 448.0, 57344.0], np.float32)
+
+
+def _bf16(x):
+    return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def _fp8_grid(rng, shape, dtype, lo=0.1, hi=4.0):
+    """Random values already representable in `dtype` (and in bfloat16)."""
+    x = rng.uniform(lo, hi, shape) * rng.choice([-1.0, 1.0], shape)
+    return jnp.asarray(jnp.asarray(x, jnp.float32).astype(dtype).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("q_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("scale", [1.0, 37.5, 0.01])
+def test_qdq_matches_flax(rng, q_dtype, dtype, scale):
+    x = jnp.asarray(rng.normal(size=(64, 48)) * 3.0, dtype)
+    s = jnp.float32(scale)
+    ours = mpjax.fp8.qdq(x, q_dtype, s)
+    theirs = fp8_ops.qdq(x, q_dtype, 1.0 / s, x.dtype)
+    assert ours.dtype == x.dtype
+    np.testing.assert_allclose(
+        np.asarray(ours, np.float32), np.asarray(theirs, np.float32), atol=1e-6, rtol=0
+    )
+
+
+def _loss(w, x, dy):
+    return jnp.sum((x @ w) * dy)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_representable_inputs_match_bf16_reference(rng, level):
+    # flax's test_fp8_dot_general_injection: inputs representable in float8 at scale 1 go
+    # through quantization unchanged.
+    x = _fp8_grid(rng, (16, 32), E4M3)
+    w = _fp8_grid(rng, (32, 64), E4M3)
+    dy = _fp8_grid(rng, (16, 64), E5M2)
+    pol = mpjax.fp8.policy(level)
+    state = mpjax.fp8.init(_loss, pol, w, x, dy)
+    assert state.num_sites == 1
+    out = jax.jit(mpjax.fp8.apply(lambda w, x: x @ w, pol))(
+        mpjax.fp8.init(lambda w, x: x @ w, pol, w, x), w, x
+    )
+    ref_out = mpjax.autocast(lambda w, x: x @ w, pol.base)(w, x)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=1e-2)
+
+    loss, grads, _ = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))(state, w, x, dy)
+    ref_loss, ref_grads = jax.value_and_grad(mpjax.autocast(_loss, pol.base))(w, x, dy)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), atol=1e-4)
+
+
+def test_random_normal_relative_error(rng):
+    x = jnp.asarray(rng.normal(size=(32, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 48)) * 0.1, jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32)
+    pol = mpjax.fp8.policy("O1")
+    state = mpjax.fp8.init(_loss, pol, w, x, dy)
+    step = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))
+    _, _, state = step(state, w, x, dy)  # the first step sets the scales from the amaxes
+    loss, grads, _ = step(state, w, x, dy)
+    x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
+    ref_loss = np.sum((x64 @ w64) * dy64)
+    ref_grad = x64.T @ dy64
+
+    def rel(a, b):
+        return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+    # the loss is a sum of terms of both signs: judge its error against their magnitude
+    assert abs(float(loss) - ref_loss) <= 5e-2 * np.sum(np.abs((x64 @ w64) * dy64))
+    # E5M2 keeps 2 mantissa bits: rounding alone is ~5% RMS relative error per element, so
+    # gradients get a looser bound than the E4M3 forward pass.
+    assert rel(grads, ref_grad) <= 8e-2
+    out = mpjax.fp8.apply(lambda w, x: x @ w, pol)(
+        mpjax.fp8.FP8State(state.scale, state.amax_history, state.recipe), w, x
+    )
+    assert rel(out, x64 @ w64) <= 5e-2
+
+
+def _oracle(amaxes, length, margin, algo):
+    """TransformerEngine's DelayedScaling, plainly: per step, the amax enters the history
+    (newest first), and scale = fp8_max / amax / 2**margin unless amax is 0 or not finite."""
+    scale = np.ones(amaxes[0].shape, np.float32)
+    hist = np.zeros((*amaxes[0].shape, length), np.float32)
+    for a in amaxes:
+        hist = np.concatenate([a[..., None], hist[..., :-1]], axis=-1)
+        amax = hist.max(-1) if algo == "max" else hist[..., 0]
+        with np.errstate(divide="ignore"):
+            new = F8MAX / amax / 2.0**margin
+        scale = np.where((amax > 0) & np.isfinite(amax), new, scale).astype(np.float32)
+    return scale, hist
+
+
+def _two_site_loss(params, x, dy, x2, dy2):
+    w, w2 = params
+    return jnp.sum((x @ w) * dy) + jnp.sum((x2 @ w2) * dy2)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_state_matches_numpy_recipe(rng, algo, margin):
+    recipe = mpjax.fp8.DelayedScaling(margin=margin, amax_history_len=3, amax_compute_algo=algo)
+    pol = mpjax.fp8.policy("O1", recipe=recipe)
+
+    def draw(step):
+        f = 2.0**step
+        x = rng.normal(size=(16, 32)) * f
+        if step == 3:
+            x = np.zeros_like(x)  # an amax of zero keeps the previous scale
+        return [
+            (jnp.asarray(rng.normal(size=(32, 16)) / f, jnp.float32),
+             jnp.asarray(rng.normal(size=(32, 48)), jnp.float32)),
+            jnp.asarray(x, jnp.float32),
+            jnp.asarray(rng.normal(size=(16, 16)) * 3 * f, jnp.float32),
+            jnp.asarray(rng.normal(size=(32, 32)), jnp.float32),
+            jnp.asarray(rng.normal(size=(32, 48)) / f, jnp.float32),
+        ]  # fmt: skip
+
+    steps = [draw(i) for i in range(5)]
+    state = mpjax.fp8.init(_two_site_loss, pol, *steps[0])
+    assert state.num_sites == 2
+    step_fn = jax.jit(mpjax.fp8.value_and_grad(_two_site_loss, pol))
+    expected = []
+    for (w, w2), x, dy, x2, dy2 in steps:
+        state = step_fn(state, (w, w2), x, dy, x2, dy2)[2]
+        # what each dot sees: bfloat16 operands; its output gradient is dy (in bfloat16)
+        expected.append(
+            np.array(
+                [[np.abs(_bf16(a)).max() for a in (x, w, dy)],
+                 [np.abs(_bf16(a)).max() for a in (x2, w2, dy2)]],
+                np.float32,
+            )
+        )  # fmt: skip
+    scale, hist = _oracle(expected, 3, margin, algo)
+    np.testing.assert_allclose(np.asarray(state.amax_history), hist, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(state.scale), scale, rtol=1e-3)
+    assert state.scale.dtype == jnp.float32 and state.amax_history.dtype == jnp.float32
+
+
+def test_no_retrace_after_first_step(rng):
+    traces = []
+
+    def loss(w, x):
+        traces.append(1)
+        return jnp.mean((x @ w) ** 2)
+
+    pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=4))
+    w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+    state = mpjax.fp8.init(loss, pol, w, x)
+    traces.clear()
+    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    for _ in range(4):
+        _, g, new = step(state, w, x)
+        assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
+        for a, b in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(state)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        state, w = new, w - 0.01 * g
+    assert len(traces) == 1
+
+
+def test_merge_keeps_the_max_amax(rng):
+    recipe = mpjax.fp8.DelayedScaling(margin=1, amax_history_len=2)
+    pol = mpjax.fp8.policy("O1", recipe=recipe)
+    w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    xs = [jnp.asarray(rng.normal(size=(16, 32)) * f, jnp.float32) for f in (1.0, 5.0, 2.0)]
+    dys = [jnp.asarray(rng.normal(size=(16, 16)) * f, jnp.float32) for f in (3.0, 1.0, 2.0)]
+    state = mpjax.fp8.init(_loss, pol, w, xs[0], dys[0])
+    step = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))
+    news = [step(state, w, x, dy)[2] for x, dy in zip(xs, dys)]
+    merged = jax.jit(mpjax.fp8.merge)(news)
+    amax = np.array(
+        [[max(np.abs(_bf16(x)).max() for x in xs), np.abs(_bf16(w)).max(),
+          max(np.abs(_bf16(d)).max() for d in dys)]], np.float32
+    )  # fmt: skip
+    scale, hist = _oracle([amax], 2, 1, "max")
+    np.testing.assert_allclose(np.asarray(merged.amax_history), hist, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(merged.scale), scale, rtol=1e-3)
+    # the same as one step on the whole batch
+    whole = step(state, w, jnp.concatenate(xs), jnp.concatenate(dys))[2]
+    np.testing.assert_allclose(np.asarray(merged.scale), np.asarray(whole.scale), rtol=1e-3)
+
+
+def test_merge_keeps_previous_scale_where_amax_is_not_finite():
+    r = mpjax.fp8.DelayedScaling(amax_history_len=1)
+    s0 = mpjax.fp8.FP8State(jnp.full((1, 3), 2.0), jnp.zeros((1, 3, 1)), r)
+    a = mpjax.fp8.update(s0, jnp.array([[1.0, 0.0, np.inf]]))
+    b = mpjax.fp8.update(s0, jnp.array([[2.0, 0.0, 4.0]]))
+    merged = mpjax.fp8.merge([a, b])
+    np.testing.assert_allclose(np.asarray(merged.scale), [[224.0, 2.0, 2.0]])
+
+
+def test_shared_weight_two_sites_by_hand():
+    # One weight used by two dots is two sites, each with its own amax (nothing summed).
+    w = jnp.ones((16, 16), jnp.float32)
+    x1 = jnp.full((16, 16), 2.0, jnp.float32)
+    x2 = jnp.full((16, 16), 3.0, jnp.float32)
+
+    def loss(w, x1, x2):
+        return jnp.sum(x1 @ w) * 0.5 + jnp.sum(x2 @ w) * 0.25
+
+    pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=1))
+    state = mpjax.fp8.init(loss, pol, w, x1, x2)
+    _, grads, state = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x1, x2)
+    np.testing.assert_array_equal(
+        np.asarray(state.amax_history[..., 0]), [[2.0, 1.0, 0.5], [3.0, 1.0, 0.25]]
+    )
+    # dL/dw = x1^T 0.5 + x2^T 0.25 = 16 * (1 + 0.75)
+    np.testing.assert_allclose(np.asarray(grads), np.full((16, 16), 28.0))
+
+
+def test_loop_bodies_and_small_dots_stay_in_half(rng):
+    def loss(w, x):
+        def body(h, _):
+            return jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(body, x, None, length=3)
+        small = x[:8] @ w  # 8 rows: not a multiple of 16
+        return jnp.sum(h) + jnp.sum(small)
+
+    pol = mpjax.fp8.policy("O1")
+    w = jnp.asarray(rng.normal(size=(32, 32)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+    state = mpjax.fp8.init(loss, pol, w, x)
+    assert state.num_sites == 0
+    value, grads, _ = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x)
+    ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(loss, pol.base))(w, x)
+    # bfloat16-level agreement (XLA may fuse the two programs differently); FP8 would be ~5% off
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), rtol=2e-2, atol=2e-2)
+
+
+def test_vmap_and_has_aux(rng):
+    pol = mpjax.fp8.policy("O2")
+
+    def loss(w, x):
+        y = x @ w
+        return jnp.mean(y**2), y
+
+    w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(4, 16, 32)), jnp.float32)
+    state = mpjax.fp8.init(lambda w, x: loss(w, x)[0], pol, w, xs[0])
+    f = mpjax.fp8.value_and_grad(lambda w, x: loss(w, x)[0], pol)
+    (losses, grads, states) = jax.jit(jax.vmap(f, in_axes=(None, None, 0)))(state, w, xs)
+    for i in range(4):
+        li, gi, si = f(state, w, xs[i])
+        np.testing.assert_allclose(float(losses[i]), float(li), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(grads[i]), np.asarray(gi), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(states.scale[i]), np.asarray(si.scale), rtol=1e-6)
+    (value, aux), _, _ = mpjax.fp8.value_and_grad(loss, pol, has_aux=True)(state, w, xs[0])
+    np.testing.assert_allclose(float(value), float(jnp.mean(aux**2)), rtol=1e-6)
+    assert aux.dtype == jnp.float32  # outputs in the base policy's output dtype
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="most_recent"):
+        mpjax.fp8.DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="half-precision base"):
+        mpjax.fp8.FP8Policy(mpjax.Policy.from_level("O0"))
+    with pytest.raises(TypeError, match="FP8Policy"):
+        mpjax.fp8.value_and_grad(_loss, mpjax.Policy.from_level("O1"))
+    pol = mpjax.fp8.policy()
+    w, x = jnp.ones((32, 16)), jnp.ones((16, 32))
+    state = mpjax.fp8.init(lambda w, x: jnp.sum(x @ w), pol, w, x)
+    with pytest.raises(ValueError, match="dot sites"):
+        mpjax.fp8.value_and_grad(lambda w, x: jnp.sum(x @ w @ w.T), pol)(state, w, x)
