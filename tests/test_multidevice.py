@@ -37,6 +37,19 @@ def test_the_multidevice_suite_on_8_cpu_devices():
     assert " passed" in result.stdout and " skipped" in result.stdout  # only the launcher skips
 
 
+def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
+    """jax.shard_map (JAX 0.7+), or its experimental form on JAX 0.6."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(
+            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma
+        )
+    from jax.experimental.shard_map import shard_map as experimental_shard_map
+
+    return experimental_shard_map(
+        f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma
+    )
+
+
 def mlp(params, x):
     for i, w in enumerate(params):
         x = x @ w
@@ -110,7 +123,7 @@ def shard_map_step(policy, tx, mesh, all_reduce_in_tx):
         return optax.apply_updates(params, updates), state
 
     return jax.jit(
-        jax.shard_map(
+        shard_map(
             per_shard,
             mesh=mesh,
             in_specs=(P(), P(), P("data"), P("data")),
@@ -160,7 +173,7 @@ def test_without_an_all_reduce_axis_name_makes_the_finite_check_global():
             return state.last_finite[None], state.loss_scale.loss_scale[None]
 
         return jax.jit(
-            jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")))
+            shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")))
         )
 
     local_finite, local_scale = per_shard(None)(x)

@@ -418,6 +418,8 @@ class _Env:
         self.static: set[Any] = set()
         self.known: dict[Any, np.ndarray] = {}
         self.index: set[Any] = set()  # decided values and floats made from integers
+        # tangents and cotangents inside a custom rule: casts of these stay linear (no clamp)
+        self.linear: set[Any] = set()
         # one convert per value and dtype, not per use
         self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
 
@@ -433,7 +435,10 @@ class _Env:
     def cast(self, v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
         known = self.known_value(v)
         # A constant that is known to fit needs no clamp.
-        saturate = known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
+        linear = not isinstance(v, jc.Literal) and v in self.linear
+        saturate = not linear and (
+            known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
+        )
         if isinstance(v, jc.Literal):
             return _cast(jc.literal_array(v), dtype, saturate=saturate)
         if x.dtype == dtype:
@@ -474,6 +479,7 @@ def _eval_jaxpr(
     in_static: list[bool] | None = None,
     in_held: list[bool] | None = None,
     in_known: list[Any] | None = None,
+    in_linear: list[bool] | None = None,
     out_flags: tuple[Flags, ...] | None = None,
     traceback: Any = None,
 ) -> tuple[list[Any], list[bool]]:
@@ -500,6 +506,8 @@ def _eval_jaxpr(
             env.held.add(v)
         if in_known is not None and in_known[i] is not None:
             env.known[v] = in_known[i]
+        if in_linear is not None and in_linear[i]:
+            env.linear.add(v)
     for eqn in jaxpr.eqns:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
@@ -512,10 +520,13 @@ def _eval_jaxpr(
         known = None
         if all(static):
             known = _known_outputs(eqn, [env.known_value(v) for v in eqn.invars])
+        linear = any(not isinstance(v, jc.Literal) and v in env.linear for v in eqn.invars)
         for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
             if isinstance(v, jc.DropVar):
                 continue
             env.vals[v] = x
+            if linear:
+                env.linear.add(v)
             if holds[i]:
                 env.held.add(v)
             if all(static):
@@ -614,7 +625,7 @@ def _sub_flags(
     return [False] * n, [False] * n, None
 
 
-def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool]) -> Callable[[Any], Any]:
+def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Callable[[Any], Any]:
     """Makes a custom-derivative rule (jvp, fwd, bwd) run under the policy, with its traced
     dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
 
@@ -629,18 +640,23 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool]) -> Callable[[Any],
                 return rule.call_wrapped(*full)
 
             closed = jc.trace(flat, [jc.aval_of(args[i]) for i in dynamic])
-            nheld = len(held)
-            in_held = None
-            if len(dynamic) in (nheld, 2 * nheld):  # primals, or primals and tangents
-                in_held = (held * 2)[: len(dynamic)]
+            n, nin = len(dynamic), len(held)
+            in_held, in_linear = None, [False] * n
+            if n == 2 * nin:  # a jvp rule: primals, then tangents (linear)
+                in_held, in_linear = held * 2, [False] * nin + [True] * nin
+            elif n == nin:  # a forward rule: primals
+                in_held = held
+            elif n > nout:  # a backward rule: residuals, then cotangents (linear)
+                in_linear = [False] * (n - nout) + [True] * nout
             outs, _ = _eval_jaxpr(
                 ctx,
                 closed.jaxpr,
                 list(closed.consts),
                 [args[i] for i in dynamic],
                 mode,
-                in_static=[False] * len(dynamic),
+                in_static=[False] * n,
                 in_held=in_held,
+                in_linear=in_linear,
             )
             return _to_traced(outs, closed.out_avals)
 
@@ -674,6 +690,7 @@ def _eval_eqn(
             in_static=static,
             in_held=held,
             in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
+            in_linear=[not isinstance(v, jc.Literal) and v in env.linear for v in eqn.invars],
             out_flags=tuple(facts.flags(v) for v in eqn.outvars),
             traceback=tb,
         )
@@ -684,7 +701,7 @@ def _eval_eqn(
                 context = jc.shard_map_context(params) if name == "shard_map" else None
                 flags = _sub_flags(eqn, key, static, held, facts, ctx, mode)
                 params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
-            wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
+            wrap = _rule_wrapper(ctx, mode, held, nout) if name in _CUSTOM_CALLS else None
             args = _to_traced(invals, [v.aval for v in eqn.invars])
             out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
             return (list(out) if multiple else [out]), [False] * nout

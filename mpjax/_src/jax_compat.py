@@ -77,9 +77,12 @@ def _wrap_fwd_thunk(thunk: Callable[..., Any], wrap_rule: Any) -> Callable[..., 
 
     def new_thunk(*zeros: Any) -> Any:
         jaxpr, consts = thunk(*zeros)
-        fun = lu.wrap_init(core.jaxpr_as_fun(core.ClosedJaxpr(jaxpr, ())), debug_info=None)
-        wrapped = wrap_rule(lu.wrap_init(lambda *a: fun.call_wrapped(*consts, *a)))
-        closed = trace(wrapped.call_wrapped, [v.aval for v in jaxpr.invars[len(consts) :]])
+
+        def fwd(*args: Any) -> Any:
+            return core.eval_jaxpr(jaxpr, consts, *args)
+
+        rule = wrap_rule(wrap_fun(None, fwd))
+        closed = trace(rule.call_wrapped, [v.aval for v in jaxpr.invars])
         return closed.jaxpr, closed.consts
 
     return new_thunk
@@ -90,8 +93,11 @@ def is_custom_rule_fun(f: Any) -> bool:
 
 
 def wrap_fun(f: Any, new: Callable[..., Any]) -> Any:
-    """A ``WrappedFun`` calling `new`, keeping `f`'s debug info."""
-    return lu.wrap_init(new, debug_info=getattr(f, "debug_info", None))
+    """A ``WrappedFun`` calling `new`, keeping `f`'s debug info (0.6 needs one)."""
+    from jax._src import api_util
+
+    debug = getattr(f, "debug_info", None) or api_util.debug_info("mpjax", new, (), {})
+    return lu.wrap_init(new, debug_info=debug)
 
 
 def trace(body: Callable[..., Any], avals: list[Any], context: Any = None) -> Any:
