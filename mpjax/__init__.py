@@ -38,6 +38,16 @@ from mpjax._src.transform import (
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("flax", "fp8", "export", "checkpoint")
+
+
+def __getattr__(name: str):  # submodules load on first use: `import mpjax` stays light
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"mpjax.{name}")
+    raise AttributeError(f"module 'mpjax' has no attribute {name!r}")
+
 __all__ = (
     "F32_OPS",
     "LEVELS",

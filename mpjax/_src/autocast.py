@@ -857,7 +857,7 @@ class _Entry:
         self.cacheable = direct is None
         self.direct = direct
         if closed is not None:
-            run = jax.extend.core.jaxpr_as_fun(closed)
+            run = jc.jaxpr_as_fun(closed)
             self.run = run
             self.jitted = jax.jit(run)
 

@@ -39,8 +39,8 @@ def literal_array(v: Any) -> np.ndarray:
 
 def aval_of(x: Any) -> Any:
     """The abstract value of an array or tracer (``jax.typeof`` from 0.7, else ``get_aval``)."""
-    typeof = getattr(jax, "typeof", None)
-    return typeof(x) if typeof is not None else core.get_aval(x)
+    typeof = getattr(jax, "typeof", None) or getattr(core, "get_aval")  # noqa: B009
+    return typeof(x)
 
 
 def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
@@ -90,6 +90,11 @@ def _wrap_fwd_thunk(thunk: Callable[..., Any], wrap_rule: Any) -> Callable[..., 
 
 def is_custom_rule_fun(f: Any) -> bool:
     return isinstance(f, lu.WrappedFun)
+
+
+def jaxpr_as_fun(closed: Any) -> Callable[..., Any]:
+    """A function evaluating a closed jaxpr (public as ``jax.extend.core.jaxpr_as_fun``)."""
+    return core.jaxpr_as_fun(closed)
 
 
 def wrap_fun(f: Any, new: Callable[..., Any]) -> Any:
