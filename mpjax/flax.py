@@ -63,6 +63,7 @@ class _Resolver:
         self.class_rules: list[tuple[type, str]] = []
         self.path_rules: list[tuple[str, str]] = []
         self.markers: dict[str, Policy] = {}
+        self._by_class: dict[type, str | None] = {}
         for i, (key, value) in enumerate((rules or {}).items()):
             marker = f"rule{i}"
             self.markers[marker] = _rule_policy(value, policy)
@@ -81,13 +82,22 @@ class _Resolver:
                     self.class_rules.append((norm, F32_REGION))
 
     def marker(self, module: Any, path: str) -> str | None:
+        marker = self.path_marker(path)
+        return marker if marker is not None else self.class_marker(type(module))
+
+    def path_marker(self, path: str) -> str | None:
         for pattern, marker in self.path_rules:
             if fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern):
                 return marker
-        # The most specific class wins: a rule for a subclass beats one for its base.
-        mro = type(module).__mro__
-        matches = [(mro.index(cls), marker) for cls, marker in self.class_rules if cls in mro]
-        return min(matches)[1] if matches else None
+        return None
+
+    def class_marker(self, cls: type) -> str | None:
+        if cls not in self._by_class:
+            # The most specific class wins: a rule for a subclass beats one for its base.
+            mro = cls.__mro__
+            matches = [(mro.index(c), marker) for c, marker in self.class_rules if c in mro]
+            self._by_class[cls] = min(matches)[1] if matches else None
+        return self._by_class[cls]
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -220,38 +230,65 @@ def _iter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Modu
     return model.iter_modules()
 
 
-# The region marker of an NNX module, stored on the module itself: a plain string attribute is
-# static, so it lives in the graphdef and survives nnx.split/merge, which is how nnx.scan,
-# vmap, remat, jit, cond and the loops hand a module to their body (as a new object).
+# A path rule's marker, stored on the NNX module itself: a plain string attribute is static,
+# so it lives in the graphdef and survives nnx.split/merge, which is how nnx.scan, vmap,
+# remat, jit, cond and the loops hand a module to their body (as a new object).
 _MARKER_ATTR = "_mpjax_marker"
+
+
+def _holds_marks(module: nnx.Module) -> bool:
+    # ToNNX reads each of its attributes as a linen variable collection: no extra ones there.
+    return not isinstance(module, nnx.bridge.ToNNX)
+
+
+def _find_call(cls: type) -> Any:
+    """The ``__call__`` instances of `cls` run, or None (not the metaclass's, which builds)."""
+    return next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
 
 
 @contextlib.contextmanager
 def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
-    # NNX modules are plain objects called through their class's __call__: mark each submodule
-    # of `model` (a copy made for this trace) and patch the classes of the marked ones for the
-    # duration of the trace; the patched __call__ reads the mark of whichever object it gets.
-    originals: dict[type, Any] = {}
+    # NNX modules are plain objects called through their class's __call__, so the classes are
+    # patched for the duration of the trace. The patched __call__ decides from what survives
+    # the graphdef split/merge of NNX transforms: the module's class (class rules, norms) or
+    # its path mark (path rules). Identity does not survive (it is kept only for modules
+    # that cannot hold a mark, and only works outside transforms).
+    by_id: dict[int, str] = {}
+    classes = {cls for cls, _ in resolver.class_rules}
     for path, sub in _iter_modules(model):
-        marker = resolver.marker(sub, "/".join(str(p) for p in path))
-        # Every module is written, so a mark left by an enclosing wrapper cannot leak in here.
-        setattr(sub, _MARKER_ATTR, marker)
-        if marker is None:
+        marker = resolver.path_marker("/".join(str(p) for p in path))
+        if marker is not None:
+            classes.add(type(sub))
+            if _holds_marks(sub):
+                setattr(sub, _MARKER_ATTR, marker)
+            else:
+                by_id[id(sub)] = marker
             continue
-        cls = type(sub)
-        if cls not in originals:
-            originals[cls] = cls.__dict__.get("__call__")
-            call = cls.__call__
+        if _MARKER_ATTR in vars(sub):
+            delattr(sub, _MARKER_ATTR)  # an enclosing wrapper's mark means nothing here
+        if resolver.class_marker(type(sub)) is not None:
+            classes.add(type(sub))  # it may override __call__ of the class the rule names
 
-            @functools.wraps(call)
-            def marked(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
-                marker = getattr(self, _MARKER_ATTR, None)
-                if marker is None:
-                    return __call(self, *a, **k)
-                with jax.named_scope(f"mpjax:{marker}"):
-                    return __call(self, *a, **k)
+    def region(module: Any) -> str | None:
+        marker = getattr(module, _MARKER_ATTR, None) or by_id.get(id(module))
+        return marker if marker is not None else resolver.class_marker(type(module))
 
-            cls.__call__ = marked  # type: ignore[method-assign]
+    originals: dict[type, Any] = {}
+    for cls in classes:
+        call = _find_call(cls)
+        if call is None:
+            continue  # not callable (a container); its submodules are marked on their own
+        originals[cls] = cls.__dict__.get("__call__")
+
+        @functools.wraps(call)
+        def marked(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
+            marker = region(self)
+            if marker is None:
+                return __call(self, *a, **k)
+            with jax.named_scope(f"mpjax:{marker}"):
+                return __call(self, *a, **k)
+
+        cls.__call__ = marked  # type: ignore[method-assign]
     try:
         yield
     finally:
