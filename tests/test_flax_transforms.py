@@ -16,7 +16,7 @@ import mpjax.flax
 
 F16 = HALF["float16"]
 DEPTH, WIDTH = 3, 16
-# Flax 0.12 added tree mode (graph=False) to the NNX transforms; older Flax has graph mode only.
+# Flax 0.12 has tree mode (graph=False) in the NNX transforms; Flax 0.11 has graph mode only.
 GRAPH_MODES = [None, False] if "graph" in inspect.signature(nnx.scan).parameters else [None]
 
 
