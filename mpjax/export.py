@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export as jax_export  # JAX 0.6 does not load it as an attribute of jax
 
 from mpjax._src.autocast import INLINE_CALLS, SHAPE_OPS, autocast
 from mpjax._src.policy import Policy
@@ -162,7 +163,7 @@ def save(
         raise ValueError(f"{directory} already exists; exports are never overwritten.")
     infer = autocast(fn, policy) if policy.level != "O0" else fn
     specs = jax.tree_util.tree_map(_spec, (params, *args))
-    exported = jax.export.export(jax.jit(infer))(*specs)
+    exported = jax_export.export(jax.jit(infer))(*specs)
     os.makedirs(directory)
     with open(os.path.join(directory, _FUNCTION_FILE), "wb") as f:
         f.write(exported.serialize())
@@ -217,7 +218,7 @@ def load(directory: str | os.PathLike, params: Any = None) -> Callable[..., Any]
     with open(os.path.join(directory, _META_FILE)) as meta_file:
         meta = json.load(meta_file)
     with open(os.path.join(directory, _FUNCTION_FILE), "rb") as function_file:
-        exported = jax.export.deserialize(bytearray(function_file.read()))
+        exported = jax_export.deserialize(bytearray(function_file.read()))
     in_tree: Any = exported.in_tree  # ((params, *args), {})
     params_tree = in_tree.children()[0].children()[0]
     params_avals = exported.in_avals[: params_tree.num_leaves]
