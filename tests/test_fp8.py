@@ -222,14 +222,11 @@ def test_shared_weight_two_sites_by_hand():
     np.testing.assert_allclose(np.asarray(grads), np.full((16, 16), 28.0))
 
 
-def test_loop_bodies_and_small_dots_stay_in_half(rng):
+def test_cond_branches_and_small_dots_stay_in_half(rng):
     def loss(w, x):
-        def body(h, _):
-            return jnp.tanh(h @ w), None
-
-        h, _ = jax.lax.scan(body, x, None, length=3)
+        h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jnp.tanh(h @ w), lambda h: h @ w * 2.0, x)
         small = x[:8] @ w  # 8 rows: not a multiple of 16
-        return jnp.sum(h) + jnp.sum(small)
+        return jnp.sum(h * h) + jnp.sum(small * small)
 
     pol = mpjax.fp8.policy("O1")
     w = jnp.asarray(rng.normal(size=(32, 32)) * 0.1, jnp.float32)
@@ -241,6 +238,105 @@ def test_loop_bodies_and_small_dots_stay_in_half(rng):
     # bfloat16-level agreement (XLA may fuse the two programs differently); FP8 would be ~5% off
     np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-2)
     np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), rtol=2e-2, atol=2e-2)
+
+
+def _scan_layers(ws, x):
+    def body(h, w):
+        return h @ w, None
+
+    return jax.lax.scan(body, x, ws)[0]
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_scan_site_amax_is_max_over_layers_by_hand(jit):
+    # Three layers h <- h @ (c_l * I) with c = (2, 4, 1/2), x = 1 and dL/dh_3 = 1, so each
+    # layer sees input amax (1, 2, 8), kernel amax (2, 4, 1/2) and output-gradient amax
+    # (c_3 c_2, c_3, 1) = (2, 1/2, 1): powers of two, exact in FP8 at scale 1.
+    def loss(ws, x, dy):
+        return jnp.sum(_scan_layers(ws, x) * dy)
+
+    c = jnp.array([2.0, 4.0, 0.5], jnp.float32)
+    ws = c[:, None, None] * jnp.eye(32, dtype=jnp.float32)
+    x = jnp.ones((32, 32), jnp.float32)
+    dy = jnp.ones((32, 32), jnp.float32)
+    pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=2))
+    state = mpjax.fp8.init(loss, pol, ws, x, dy)
+    assert state.num_sites == 1  # one dot in the body, however many times it runs
+    step = mpjax.fp8.value_and_grad(loss, pol)
+    step = jax.jit(step) if jit else step
+    value, grads, new = step(state, ws, x, dy)
+    amax = np.asarray(new.amax_history[0, :, 0])
+    np.testing.assert_array_equal(amax, [8.0, 4.0, 2.0])  # the max over the layers
+    assert not np.allclose(amax, [11.0, 6.5, 3.5])  # not their sum
+    np.testing.assert_array_equal(np.asarray(new.scale[0]), F8MAX / amax)
+    ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(loss, pol.base))(ws, x, dy)
+    np.testing.assert_array_equal(float(value), float(ref_value))
+    np.testing.assert_array_equal(np.asarray(grads), np.asarray(ref_grads))
+    out = mpjax.fp8.apply(_scan_layers, pol)(mpjax.fp8.init(_scan_layers, pol, ws, x), ws, x)
+    np.testing.assert_array_equal(np.asarray(out), np.full((32, 32), 4.0))
+
+
+def _unrolled(kind):
+    def run(ws, x):
+        ws = ws.reshape(-1, *ws.shape[-2:])
+        for w in ws[::-1] if kind == "reverse" else ws:
+            x = x @ w
+        return x
+
+    return run
+
+
+def _scanned(kind):
+    def layer(h, w):
+        return h @ w, None
+
+    def run(ws, x):
+        if kind == "nested":  # blocks of layers: a scan in a scan
+            return jax.lax.scan(lambda h, wb: (jax.lax.scan(layer, h, wb)[0], None), x, ws)[0]
+        if kind == "remat":
+            return jax.lax.scan(jax.checkpoint(layer), x, ws)[0]
+        if kind == "checkpointed":  # the whole scan under remat
+            return jax.checkpoint(lambda ws, x: jax.lax.scan(layer, x, ws)[0])(ws, x)
+        unroll = 2 if kind == "unroll" else 1
+        return jax.lax.scan(layer, x, ws, reverse=kind == "reverse", unroll=unroll)[0]
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["scan", "reverse", "unroll", "remat", "checkpointed", "nested"])
+def test_scan_site_matches_unrolled_layers(rng, kind):
+    # Layers of signed permutations times powers of two, on FP8-grid inputs: every value is
+    # exact in FP8 at scale 1, so the scan's one site must see exactly the max, per tensor, of
+    # what the unrolled layers' sites see, and both must give the bfloat16 reference's numbers.
+    shape = (2, 3, 32, 32) if kind == "nested" else (3, 32, 32)
+    n = int(np.prod(shape[:-2]))
+    perms = [np.eye(32)[rng.permutation(32)] * rng.choice([-1.0, 1.0], 32) for _ in range(n)]
+    c = np.array([2.0, 0.5, 4.0, 0.25, 2.0, 0.5])[:n]  # values stay in FP8's normal range
+    ws = jnp.asarray((np.stack(perms) * c[:, None, None]).reshape(shape), jnp.float32)
+    x = _fp8_grid(rng, (16, 32), E4M3, lo=0.5)
+    dy = _fp8_grid(rng, (16, 32), E5M2, lo=0.05, hi=1.0)
+    pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=1))
+
+    def top(run):  # a top-level dot before the layers: site 0
+        return lambda ws, x, dy: jnp.sum(run(ws, x @ ws.reshape(-1, 32, 32)[0]) * dy)
+
+    scan_loss, unrolled_loss = top(_scanned(kind)), top(_unrolled(kind))
+    state = mpjax.fp8.init(scan_loss, pol, ws, x, dy)
+    state_u = mpjax.fp8.init(unrolled_loss, pol, ws, x, dy)
+    assert state.num_sites == 2 and state_u.num_sites == 1 + n
+    value, grads, new = jax.jit(mpjax.fp8.value_and_grad(scan_loss, pol))(state, ws, x, dy)
+    value_u, grads_u, new_u = jax.jit(mpjax.fp8.value_and_grad(unrolled_loss, pol))(
+        state_u, ws, x, dy
+    )
+    amax, amax_u = np.asarray(new.amax_history[..., 0]), np.asarray(new_u.amax_history[..., 0])
+    np.testing.assert_array_equal(amax[0], amax_u[0])
+    np.testing.assert_array_equal(amax[1], amax_u[1:].max(axis=0))
+    assert np.all(amax[1] < amax_u[1:].sum(axis=0))
+    np.testing.assert_array_equal(float(value), float(value_u))
+    np.testing.assert_array_equal(np.asarray(grads), np.asarray(grads_u))
+    ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(scan_loss, pol.base))(ws, x, dy)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), rtol=1e-6)
 
 
 def test_vmap_and_has_aux(rng):

@@ -184,6 +184,13 @@ class _Context:
         # Optional (eqn, operands, policy) -> result or None: runs an op itself instead of the
         # rule (mpjax.fp8 runs dot_general in FP8 this way). None falls back to the rule.
         self.eqn_hook: Callable[[Any, list[Any], Policy], Any] | None = None
+        # Optional (eqn, policy) -> (consts, xs, enter) or None, asked at each scan and remat:
+        # extra operands for its body. `consts` join a scan's constants (a remat's inputs),
+        # `xs` (leading axis: the length; scan only) its scanned inputs, and
+        # `enter(consts, rows)`, given their values inside the body, returns a context manager
+        # held while the body is evaluated. mpjax.fp8 passes amax sinks into bodies this way:
+        # one row per iteration, so that scan's transpose stacks their cotangents, not sums.
+        self.body_hook: Callable[[Any, Policy], Any] | None = None
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:
         markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker]
@@ -665,6 +672,61 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Call
     return wrap
 
 
+_BODY_OPERAND_OPS = frozenset({"scan", "remat2", "checkpoint"})
+
+
+def _bind_with_operands(
+    ctx: _Context, eqn: Any, invals: list[Any], mode: Any, flags: Any, tb: Any, extra: Any
+) -> Any:
+    """Binds a scan or remat whose rebuilt body also takes the operands `extra` gives (see
+    _Context.body_hook): constants after the scan's own (a remat's inputs at the end), scanned
+    inputs after the scan's own."""
+    consts, xs, enter = extra
+    p = dict(eqn.params)
+    scan = eqn.primitive.name == "scan"
+    if not scan and xs:
+        raise ValueError("only a scan takes extra scanned operands")
+    closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
+    nc = p["num_consts"] if scan else len(eqn.invars)
+    nk, nx, n = len(consts), len(xs), len(eqn.invars)
+    in_static, in_held, out_flags = flags
+
+    def body(*args: Any) -> list[Any]:
+        args_ = list(args)
+        with enter(args_[nc : nc + nk], args_[nk + n :]):
+            outs, _ = _eval_jaxpr(
+                ctx,
+                closed.jaxpr,
+                list(closed.consts),
+                args_[:nc] + args_[nc + nk : nk + n],
+                mode,
+                in_static=in_static,
+                in_held=in_held,
+                out_flags=out_flags,
+                traceback=tb,
+            )
+        return _to_traced(outs, closed.out_avals)
+
+    avals = list(closed.in_avals)
+    avals[nc:nc] = [jc.aval_of(c) for c in consts]
+    avals += [jc.aval_of(x).update(shape=jc.aval_of(x).shape[1:]) for x in xs]
+    try:
+        rebuilt = jc.trace(body, avals)
+    except (ImportError, AttributeError) as e:  # JAX internals moved
+        raise _CannotRebuild(str(e)) from None
+    if scan:
+        p.update(jaxpr=rebuilt, num_consts=nc + nk)
+        if "linear" in p:  # older JAX (0.6) records which operands are linear
+            lin = tuple(p["linear"])
+            p["linear"] = lin[:nc] + (False,) * nk + lin[nc:] + (False,) * nx
+    else:
+        if rebuilt.consts:
+            raise _CannotRebuild("rebuilt jaxpr captured constants")
+        p["jaxpr"] = rebuilt.jaxpr
+    args = _to_traced(invals, [v.aval for v in eqn.invars])
+    return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
+
+
 def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
     # Marked in the HLO metadata so that the audit can show where autocast stood aside.
     with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}"):
@@ -694,6 +756,15 @@ def _eval_eqn(
             out_flags=tuple(facts.flags(v) for v in eqn.outvars),
             traceback=tb,
         )
+    if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
+        extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
+        if extra is not None:
+            flags = _sub_flags(eqn, "jaxpr", static, held, facts, ctx, mode)
+            try:
+                out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
+                return list(out), [False] * nout
+            except _CannotRebuild:
+                pass  # the generic path below: runs as traced (scan) or inlined (remat)
     if name in _SUBJAXPR_PARAMS:
         try:
             params = dict(eqn.params)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -89,9 +90,11 @@ class FP8State:
 class FP8Policy:
     """A precision policy whose eligible ``dot_general`` ops run in FP8 (HYBRID).
 
-    Every other op follows `base`. Dots whose contracting size or either operand's free size
-    is not a multiple of 16, dots in float32 regions, and dots inside loop, cond, remat or
-    custom-derivative bodies run as `base` says (in its half dtype).
+    Every other op follows `base`. Dots in ``lax.scan`` bodies (nested scans and remat
+    bodies in them included) are sites too, each counted once however many iterations run it,
+    with the max of its amaxes over the iterations. Dots whose contracting size or either
+    operand's free size is not a multiple of 16, dots in float32 regions, and dots inside
+    while, cond or custom-derivative bodies run as `base` says (in its half dtype).
 
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
@@ -314,37 +317,105 @@ def _eligible(eqn: Any) -> bool:
     return all(n > 0 and n % _ALIGN == 0 for n in (contract, lfree, rfree))
 
 
+def _has_eligible(jaxpr: Any) -> bool:
+    """Whether `jaxpr` or any jaxpr nested in it has an eligible dot (may be a site)."""
+    for eqn in jaxpr.eqns:
+        if _eligible(eqn):
+            return True
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple) else (param,):
+                sub = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
+                if isinstance(sub, jex_core.Jaxpr) and _has_eligible(sub):
+                    return True
+    return False
+
+
+def _trace_state() -> Any:
+    """The current trace, to tell a body traced apart from the evaluation around it."""
+    get = getattr(jex_core, "get_opaque_trace_state", None)
+    if get is None:  # JAX 0.6: only jax.core has it, with an unused argument
+        return getattr(jax.core, "get_opaque_trace_state")("mpjax")  # noqa: B009
+    return get()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _spread(length: int, sink: jax.Array) -> jax.Array:
+    """`sink` repeated for each of `length` iterations; its cotangent is their max (not sum)."""
+    return jnp.broadcast_to(sink, (length, *sink.shape))
+
+
+def _spread_fwd(length: int, sink: jax.Array) -> tuple[jax.Array, None]:
+    return _spread(length, sink), None
+
+
+def _spread_bwd(length: int, res: None, g: jax.Array) -> tuple[jax.Array]:
+    del length, res
+    return (jnp.max(g, axis=0, initial=0.0),)  # amaxes are >= 0; a scan may run 0 times
+
+
+_spread.defvjp(_spread_fwd, _spread_bwd)
+
+
 class _Sites:
-    """The eqn hook: numbers eligible top-level dots in evaluation order and runs them in FP8."""
+    """The autocast hooks: number eligible dots in evaluation order and run them in FP8.
+
+    Sites are the dots evaluated at the top level and in scan bodies, nested ones included
+    (each counted once however many times it runs). A scan body gets the scales as a constant
+    and the amax sinks as a scanned input, one row per iteration: the cotangent of those rows
+    is stacked by scan's transpose, and :func:`_spread` takes its max over the iterations. A
+    remat body gets both as inputs. The bodies of while loops, conds and custom-derivative
+    rules are traced apart from these frames, so their dots stay in the base half dtype.
+    """
 
     def __init__(self, scale: jax.Array | None, sink: jax.Array | None):
-        self.scale, self.sink = scale, sink
         self.count = 0
-        self.trace = jex_core.get_opaque_trace_state()
+        # (trace, scale, sink) of the top level and of each scan or remat body being traced
+        self.frames: list[tuple[Any, Any, Any]] = [(_trace_state(), scale, sink)]
 
     def __call__(self, eqn: Any, invals: list[Any], mode: Any) -> Any:
         if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn):
             return None
-        # Bodies of loops, conds and custom rules are traced apart: fan-out there would sum
-        # amaxes over iterations, so their dots stay in the base half dtype.
-        if jex_core.get_opaque_trace_state() != self.trace:
+        trace, scale, sink = self.frames[-1]
+        if _trace_state() != trace:
             return None
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
         lhs, rhs = (autocast_lib._cast(x, dt) for x in invals)
-        if self.scale is None:  # counting sites (init)
+        if scale is None:  # counting sites (init)
             return _dot(eqn.params["dimension_numbers"], None, dt, lhs, rhs)
-        assert self.sink is not None
         return fp8_dot_general(
             eqn.params["dimension_numbers"],
             eqn.params.get("precision"),
             dt,
             lhs,
             rhs,
-            self.scale[i],
-            self.sink[i],
+            scale[i],
+            sink[i],
         )
+
+    def body(self, eqn: Any, mode: Any) -> Any:
+        """The body hook: the scales and sinks a scan or remat body needs for its sites."""
+        trace, scale, sink = self.frames[-1]
+        body = eqn.params["jaxpr"]
+        body = body.jaxpr if isinstance(body, jex_core.ClosedJaxpr) else body
+        if _trace_state() != trace or not _has_eligible(body):
+            return None
+        consts = [] if scale is None else [scale, sink]
+        xs = []
+        if scale is not None and eqn.primitive.name == "scan":
+            consts, xs = [scale], [_spread(eqn.params["length"], sink)]
+
+        @contextlib.contextmanager
+        def enter(consts: list[Any], rows: list[Any]) -> Iterator[None]:
+            inner = [*consts, *rows] or [None, None]
+            self.frames.append((_trace_state(), inner[0], inner[1]))
+            try:
+                yield
+            finally:
+                self.frames.pop()
+
+        return consts, xs, enter
 
 
 def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
@@ -361,6 +432,7 @@ def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any,
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
     ctx = autocast_lib._Context(pol.base, {})
     ctx.eqn_hook = sites
+    ctx.body_hook = sites.body
     outs, _ = autocast_lib._eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), dyn, pol.base)
     outs = [
         autocast_lib._cast(x, pol.base.output_dtype) if autocast_lib._is_float(x.dtype) else x
@@ -530,3 +602,54 @@ def value_and_grad(
         return value, grads, update(state, amax)
 
     return wrapped
+
+
+# -- reading the state ---------------------------------------------------------------------------
+
+
+def describe(state: FP8State) -> list[dict[str, float]]:
+    """Per-site rows of an FP8 state: each tensor's scale and the amax it was set from.
+
+    Sites are numbered in the order the function first runs their dots (the order of
+    ``mpjax.audit(...).fp8_matmuls`` in its forward pass). The amax is the one the recipe uses:
+    the max of the history, or its newest entry. A scale of 1 with an amax of 0 is a tensor
+    not seen yet; a non-finite amax kept the previous scale.
+
+    Args:
+      state: an :class:`FP8State` (not batched).
+
+    Returns:
+      One dict per site: ``site``, then ``{input,kernel,grad}_scale`` and
+      ``{input,kernel,grad}_amax`` as floats.
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> loss = lambda w, x: jnp.mean((x @ w) ** 2)
+      >>> pol = mpjax.fp8.policy("O1")
+      >>> w, x = jnp.full((32, 16), 0.5), jnp.ones((16, 32))
+      >>> state = mpjax.fp8.init(loss, pol, w, x)
+      >>> _, _, state = mpjax.fp8.value_and_grad(loss, pol)(state, w, x)
+      >>> row = mpjax.fp8.describe(state)[0]
+      >>> row["kernel_amax"], row["kernel_scale"], row["grad_amax"]
+      (0.5, 896.0, 0.125)
+    """
+    if not isinstance(state, FP8State):
+        raise TypeError(f"expected an FP8State from mpjax.fp8.init, got {type(state).__name__}.")
+    scale = np.asarray(state.scale, np.float64)
+    hist = np.asarray(state.amax_history, np.float64)
+    if scale.ndim != 2:
+        raise ValueError(
+            f"describe takes one state (scale [sites, 3]), got scale of shape {scale.shape}; "
+            "index a batched state first."
+        )
+    with np.errstate(invalid="ignore"):
+        amax = hist.max(axis=-1) if state.recipe.amax_compute_algo == "max" else hist[..., 0]
+    rows = []
+    for i in range(scale.shape[0]):
+        row: dict[str, float] = {"site": i}
+        for role, r in (("input", INPUT), ("kernel", KERNEL), ("grad", GRAD)):
+            row[f"{role}_scale"] = float(scale[i, r])
+        for role, r in (("input", INPUT), ("kernel", KERNEL), ("grad", GRAD)):
+            row[f"{role}_amax"] = float(amax[i, r])
+        rows.append(row)
+    return rows
