@@ -48,6 +48,7 @@ def __getattr__(name: str):  # submodules load on first use: `import mpjax` stay
         return importlib.import_module(f"mpjax.{name}")
     raise AttributeError(f"module 'mpjax' has no attribute {name!r}")
 
+
 __all__ = (
     "F32_OPS",
     "LEVELS",
