@@ -30,6 +30,7 @@ from flax.training import train_state
 from mpjax._src import hardware, transform
 from mpjax._src import loss_scale as ls_lib
 from mpjax._src.autocast import F32_REGION, autocast
+from mpjax._src.fp8 import FP8Policy
 from mpjax._src.policy import Policy, cast_floating
 
 RuleKey = type | str
@@ -84,6 +85,19 @@ class _Resolver:
     def marker(self, module: Any, path: str) -> str | None:
         marker = self.path_marker(path)
         return marker if marker is not None else self.class_marker(type(module))
+
+    @contextlib.contextmanager
+    def region(self, marker: str) -> Iterator[None]:
+        """The named scope of a rule's region. A float32 rule also opens the float32 region
+        around it: an enclosing interpreter that does not know this wrapper's rules (the one
+        of ``mpjax.fp8.value_and_grad``) then keeps the region in float32 too, out of FP8."""
+        rule = self.markers.get(marker)
+        outer = rule is not None and (rule.level == "O0" or not rule.half)
+        with contextlib.ExitStack() as stack:
+            if outer:
+                stack.enter_context(jax.named_scope(f"mpjax:{F32_REGION}"))
+            stack.enter_context(jax.named_scope(f"mpjax:{marker}"))
+            yield
 
     def path_marker(self, path: str) -> str | None:
         for pattern, marker in self.path_rules:
@@ -146,7 +160,7 @@ class LinenWrapped:
         marker = self._resolver.marker(module, "/".join(str(p) for p in module.path))
         if marker is None:
             return next_fun(*args, **kwargs)
-        with jax.named_scope(f"mpjax:{marker}"):
+        with self._resolver.region(marker):
             return next_fun(*args, **kwargs)
 
     def init(self, rngs: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -285,7 +299,7 @@ def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
             marker = region(self)
             if marker is None:
                 return __call(self, *a, **k)
-            with jax.named_scope(f"mpjax:{marker}"):
+            with resolver.region(marker):
                 return __call(self, *a, **k)
 
         cls.__call__ = marked  # type: ignore[method-assign]
@@ -299,12 +313,19 @@ def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
                 cls.__call__ = original  # type: ignore[method-assign]
 
 
-def wrap(module: Any, policy: Policy, rules: Rules | None = None) -> Any:
+def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) -> Any:
     """Wraps a Flax linen or NNX module to run under `policy`.
+
+    With an FP8 policy (``mpjax.fp8.policy("O2")``) the module runs under its base policy,
+    rules included; its eligible dots run in FP8 where the loss that calls it goes through
+    ``mpjax.fp8.value_and_grad`` (or ``mpjax.fp8.apply``), and in the base half dtype
+    elsewhere. Regions that a rule keeps in float32 (``"O0"``, and norms with
+    ``keep_norm_fp32``) stay out of FP8.
 
     Args:
       module: a ``flax.linen.Module`` or a ``flax.nnx.Module``.
-      policy: the precision policy, e.g. ``mpjax.Policy.from_level("O2")``.
+      policy: the precision policy, e.g. ``mpjax.Policy.from_level("O2")``, or an
+        ``mpjax.fp8.FP8Policy``.
       rules: per-module policies: keys are module classes (subclasses included) or path globs
         (``"decoder/*"``, ``"*/attention"``), values are a Policy or a level string. The
         innermost matching module decides; a path rule beats a class rule. Rules reach
@@ -323,6 +344,8 @@ def wrap(module: Any, policy: Policy, rules: Rules | None = None) -> Any:
       >>> variables["params"]["kernel"].dtype, model.apply(variables, jnp.ones((2, 3))).dtype
       (dtype(bfloat16), dtype(bfloat16))
     """
+    if isinstance(policy, FP8Policy):
+        policy = policy.base  # FP8 itself comes from mpjax.fp8.value_and_grad around the loss
     if not isinstance(policy, Policy):
         raise TypeError(
             f"wrap needs an mpjax.Policy, got {type(policy).__name__}; e.g. "

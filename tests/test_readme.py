@@ -29,13 +29,26 @@ def test_level_examples_run():
 
 
 def test_autocast_and_flax_examples_run(capsys):
-    blocks = [b for b in python_blocks()[1:] if "mpjax.autocast(" in b or "mpjax.flax.wrap(" in b]
+    blocks = [
+        b
+        for b in python_blocks()[1:]
+        if ("mpjax.autocast(" in b or "mpjax.flax.wrap(" in b) and "mpjax.fp8" not in b
+    ]
     assert len(blocks) == 2
     for i, block in enumerate(blocks):
         namespace: dict = {}
         exec(compile(block, f"README block {i}", "exec"), namespace)
     assert namespace["state"].step == 1
     assert "skipped_steps" in capsys.readouterr().out
+
+
+def test_fp8_flax_example_runs(capsys):
+    (block,) = [b for b in python_blocks() if "mpjax.fp8" in b and "mpjax.flax.wrap(" in b]
+    namespace: dict = {}
+    exec(compile(block, "README FP8 with Flax", "exec"), namespace)
+    assert namespace["fp8_state"].num_sites == 1  # Dense_1 is kept in float32
+    assert len(namespace["report"].fp8_matmuls) == 2
+    assert "input_amax" in capsys.readouterr().out
 
 
 def test_ci_runs_the_readme_test_command():

@@ -34,11 +34,21 @@ class MatmulOp:
     name: str | None
     source: str | None
     aligned: bool
+    # For each operand, the float8 dtype it was dequantized from right before the op (None
+    # where it was not): how an FP8 matmul appears in a lowered module (mpjax.fp8, Flax's
+    # fp8_ops, TransformerEngine's JAX ops), and the pattern XLA's GPU compiler rewrites into
+    # an FP8 GEMM. Empty when neither operand is.
+    fp8_dtypes: tuple[str | None, ...] = ()
 
     @property
     def half(self) -> bool:
         """Both operands in float16 or bfloat16."""
         return all(d in HALF_DTYPES for d in self.operand_dtypes)
+
+    @property
+    def fp8(self) -> bool:
+        """Both operands in float8, or dequantized from float8 right before the op."""
+        return len(self.fp8_dtypes) == 2 and all(d is not None for d in self.fp8_dtypes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +118,10 @@ def _dtype(element_type: Any) -> str:
         if element_type.width == 1:
             return "bool"
         return f"{'uint' if element_type.is_unsigned else 'int'}{element_type.width}"
-    return str(element_type)  # float8, complex, ...: MLIR's name of the type
+    name = str(element_type)
+    if name.startswith("f8"):  # f8E4M3FN -> float8_e4m3fn, NumPy's (ml_dtypes') name
+        return "float8_" + name[2:].lower()
+    return name  # complex, ...: MLIR's name of the type
 
 
 def _tensor(value: Any) -> tuple[tuple[int, ...], str] | None:
@@ -184,6 +197,15 @@ def _callees(op: Any) -> list[str]:
     return names
 
 
+def _functions(module: Any) -> dict[str, Any]:
+    """The module's functions by symbol."""
+    return {
+        name: op.operation
+        for op in module.body.operations
+        if op.operation.name == "func.func" and (name := _symbol(op.operation)) is not None
+    }
+
+
 def _operations(module: Any) -> Iterator[tuple[Any, str | None, str | None]]:
     """(operation, name, source) of every operation of `module` in program order, from its
     entry function: the regions of loops, conditionals and collectives in place, and a called
@@ -194,11 +216,7 @@ def _operations(module: Any) -> Iterator[tuple[Any, str | None, str | None]]:
     library function such as ``jax.nn.softmax`` has none) gets that of the op it runs under:
     the call, loop or reduction that the user's line made.
     """
-    funcs = {
-        name: op.operation
-        for op in module.body.operations
-        if op.operation.name == "func.func" and (name := _symbol(op.operation)) is not None
-    }
+    funcs = _functions(module)
     reached: set[str] = set()
 
     def walk(op: Any, active: frozenset[str], outer: str | None) -> Iterator[Any]:
@@ -245,6 +263,57 @@ def _conv_flops_and_alignment(
     return flops, in_ch % 8 == 0 and out_ch % 8 == 0
 
 
+# Ops that carry a dequantized value to a matmul unchanged but for layout or a scale.
+_DEQUANT_PATH = frozenset(
+    {
+        "stablehlo.multiply",
+        "stablehlo.divide",
+        "stablehlo.convert",
+        "stablehlo.transpose",
+        "stablehlo.reshape",
+        "stablehlo.broadcast_in_dim",
+        "stablehlo.slice",
+        "stablehlo.dynamic_slice",
+        "stablehlo.optimization_barrier",
+    }
+)
+
+
+def _fp8_origin(value: Any, funcs: dict[str, Any], depth: int = 12) -> str | None:
+    """The float8 dtype `value` holds or was dequantized from (a convert from float8, then
+    scales, converts and layout changes), or None. Follows results of called functions and
+    of optimization barriers (remat); stops at block arguments (loop carries)."""
+    t = _tensor(value)
+    if t is not None and t[1].startswith("float8"):
+        return t[1]
+    if depth == 0:
+        return None
+    try:
+        result: Any = ir.OpResult(value)
+    except ValueError:
+        return None  # a block argument
+    op = result.owner.operation if hasattr(result.owner, "operation") else result.owner
+    name = op.name
+    if name == "func.call":
+        callee = next((funcs[c] for c in _callees(op) if c in funcs), None)
+        if callee is None:
+            return None
+        ret = list(callee.regions[0].blocks[0].operations)[-1].operation
+        return _fp8_origin(ret.operands[result.result_number], funcs, depth - 1)
+    if name == "stablehlo.optimization_barrier":
+        return _fp8_origin(op.operands[result.result_number], funcs, depth - 1)
+    if name not in _DEQUANT_PATH:
+        return None
+    operands = list(op.operands)
+    if name in ("stablehlo.divide", "stablehlo.dynamic_slice"):
+        operands = operands[:1]  # the dividend; the sliced array (not the indices)
+    for v in operands:
+        found = _fp8_origin(v, funcs, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
 def _reduction(op: Any) -> str | None:
     """'reduce_sum' or 'reduce_prod' for a reduce whose body is one add or multiply."""
     body = [o.operation.name for region in op.regions for b in region.blocks for o in b.operations]
@@ -267,6 +336,7 @@ def _read_module(module: Any) -> _Lowered:
     op names, operand and result types, attributes and locations, never the module's text."""
     found = _Lowered()
     with module.context:
+        funcs = _functions(module)
         for op, name, source in _operations(module):
             kind = op.name
             if name and UNTOUCHED_SCOPE + ":" in name:
@@ -292,6 +362,7 @@ def _read_module(module: Any) -> _Lowered:
                     else (_conv_flops_and_alignment)
                 )
                 flops, aligned = count(op, lhs, rhs, out[0])
+                fp8 = tuple(_fp8_origin(v, funcs) for v in list(op.operands)[:2])
                 found.matmuls.append(
                     MatmulOp(
                         kind=_MATMULS[kind],
@@ -303,6 +374,7 @@ def _read_module(module: Any) -> _Lowered:
                         name=name,
                         source=source,
                         aligned=aligned,
+                        fp8_dtypes=fp8 if any(fp8) else (),
                     )
                 )
             else:
@@ -381,7 +453,8 @@ class AuditReport:
 
     Attributes:
       matmuls: every dot_general and convolution of the lowered program, in program order
-        (those of a function called from several places once per call).
+        (those of a function called from several places once per call). FP8 ones (see
+        ``fp8_matmuls``) have half operands dequantized from float8 just before the op.
       converts: the number of dtype conversions.
       risks: float32-list ops (exp, log, rsqrt, sums, ...) that run in half precision.
       untouched: primitives autocast did not know and ran in their traced dtype.
@@ -418,6 +491,28 @@ class AuditReport:
         return sum(m.flops for m in self.matmuls if m.half) / total if total else 0.0
 
     @property
+    def fp8_matmuls(self) -> tuple[MatmulOp, ...]:
+        """The matmuls whose operands are float8 or dequantized from it right before them.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax, mpjax.fp8
+          >>> f = lambda w, x: jnp.sum(x @ w)
+          >>> pol = mpjax.fp8.policy("O2")
+          >>> w, x = jnp.ones((32, 16)), jnp.ones((16, 32))
+          >>> state = mpjax.fp8.init(f, pol, w, x)
+          >>> report = mpjax.audit(mpjax.fp8.value_and_grad(f, pol), state, w, x)
+          >>> [m.fp8_dtypes for m in report.fp8_matmuls], report.fp8_flop_share
+          ([('float8_e4m3fn', 'float8_e4m3fn'), ('float8_e5m2', 'float8_e4m3fn')], 1.0)
+        """
+        return tuple(m for m in self.matmuls if m.fp8)
+
+    @property
+    def fp8_flop_share(self) -> float:
+        """The share of matmul/conv FLOPs run in FP8 (0.0 with no matmuls)."""
+        total = self.total_flops
+        return sum(m.flops for m in self.fp8_matmuls) / total if total else 0.0
+
+    @property
     def misaligned(self) -> tuple[MatmulOp, ...]:
         """Half matmuls with a dimension that is not a multiple of 8 (slow on tensor cores)."""
         return tuple(m for m in self.matmuls if m.half and not m.aligned)
@@ -426,9 +521,13 @@ class AuditReport:
         """A plain dict of the report, for tests and CI."""
         return {
             "backend": self.backend,
-            "matmuls": [dataclasses.asdict(m) | {"half": m.half} for m in self.matmuls],
+            "matmuls": [
+                dataclasses.asdict(m) | {"half": m.half, "fp8": m.fp8} for m in self.matmuls
+            ],
             "total_flops": self.total_flops,
             "half_flop_share": self.half_flop_share,
+            "fp8_matmuls": len(self.fp8_matmuls),
+            "fp8_flop_share": self.fp8_flop_share,
             "converts": self.converts,
             "risks": [dataclasses.asdict(r) for r in self.risks],
             "untouched": list(self.untouched),
@@ -460,9 +559,15 @@ class AuditReport:
             )
 
     def __str__(self) -> str:
+        fp8 = self.fp8_matmuls
+        fp8_note = (
+            f" ({len(fp8)} matmuls, {100 * self.fp8_flop_share:.1f}% of FLOPs, in FP8)"
+            if fp8
+            else ""
+        )
         rows = [
             f"mpjax audit ({self.backend}): {len(self.matmuls)} matmuls, "
-            f"{100 * self.half_flop_share:.1f}% of {self.total_flops:,} FLOPs in half, "
+            f"{100 * self.half_flop_share:.1f}% of {self.total_flops:,} FLOPs in half{fp8_note}, "
             f"{self.converts} converts, {len(self.risks)} f32-list ops in half",
             "",
             "| op | operands | result | shapes | GFLOP | tensor-core aligned | where |",
@@ -470,8 +575,12 @@ class AuditReport:
         ]
         for m in self.matmuls:
             shapes = " x ".join("[" + ",".join(map(str, s)) + "]" for s in m.operand_shapes)
+            operands = " x ".join(
+                d if q is None else f"{q}->{d}"
+                for d, q in zip(m.operand_dtypes, m.fp8_dtypes or (None,) * 2, strict=False)
+            )
             rows.append(
-                f"| {m.kind} | {' x '.join(m.operand_dtypes)} | {m.result_dtype} | {shapes} | "
+                f"| {m.kind} | {operands} | {m.result_dtype} | {shapes} | "
                 f"{m.flops / 1e9:.4f} | {'yes' if m.aligned else 'no'} | "
                 f"{_short(m.source)} |"
             )
@@ -511,6 +620,8 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
     call. It lists every dot_general and convolution with operand and result dtypes, shapes,
     FLOPs and source location; counts converts; flags float32-list ops (exp, log, rsqrt,
     sums, ...) that run in half; and advises on half matmuls not aligned to 8 (tensor cores).
+    A matmul whose operands are dequantized from float8 right before it (as ``mpjax.fp8``
+    runs its sites) counts as FP8: ``report.fp8_matmuls`` and ``report.fp8_flop_share``.
     With `compile`, it also reads the backend's optimized HLO (text, the only form XLA gives)
     to show the dtypes the matmuls really run in.
 
@@ -586,6 +697,7 @@ _CALL_PARAMS = {
     **INLINE_CALLS,
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",  # JAX 0.6's name of custom_vjp_call
     "remat2": "jaxpr",
     "checkpoint": "jaxpr",
 }
