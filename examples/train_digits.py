@@ -1,13 +1,17 @@
-"""Train a small CNN on scikit-learn's bundled digits at O0-O3, in float16 and bfloat16.
+"""Train a small CNN on scikit-learn's bundled digits at O0-O3, in float16 and bfloat16, and FP8.
 
 Each run is the README's train step: a precision policy from ``mpjax.Policy.from_level``, the
 Flax model wrapped by ``mpjax.flax.wrap``, ``optax.chain(mpjax.loss_scale(...),
-optax.sgd(...))`` and ``mpjax.get_loss_scale`` inside ``jax.jit``. At the end it prints a
-table (test accuracy, final loss, steps/s, skipped steps, final loss scale) and writes a PNG
-of the loss curves and loss-scale trajectories.
+optax.sgd(...))`` and ``mpjax.get_loss_scale`` inside ``jax.jit``. The FP8 run (O2 bfloat16
+with FP8 dots, ``mpjax.fp8.policy("O2")``) differentiates through ``mpjax.fp8.value_and_grad``
+and threads its delayed-scaling state through the step; its eligible dot (the 1024x128 Dense:
+sizes that are multiples of 16) runs in FP8, the convolutions and the 10-way output in
+bfloat16. At the end it prints a table (test accuracy, final loss, steps/s, skipped steps,
+final loss scale, FP8 sites) and writes a PNG of the loss curves and loss-scale trajectories.
 
-    python examples/train_digits.py                      # every level, both half dtypes
+    python examples/train_digits.py                      # every level, both half dtypes, FP8
     python examples/train_digits.py --level O2 --dtype float16 --epochs 50
+    python examples/train_digits.py --level fp8
 
 The data ship inside scikit-learn (``load_digits``): nothing is downloaded.
 """
@@ -30,6 +34,7 @@ from tqdm import tqdm
 
 import mpjax
 import mpjax.flax
+import mpjax.fp8
 
 
 class CNN(nn.Module):
@@ -60,48 +65,78 @@ def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+def pad16(x):
+    """`x` with zero rows appended up to a multiple of 16 rows (FP8 dots need such sizes)."""
+    return jnp.pad(x, [(0, -len(x) % 16)] + [(0, 0)] * (x.ndim - 1))
+
+
 def train(level: str, half: str, epochs: int, batch: int, lr: float, seed: int, data, bar: bool):
-    policy = mpjax.Policy.from_level(level, half)
-    model = mpjax.flax.wrap(CNN(), policy)  # params in policy.param_dtype, ops per the level
-    tx = optax.chain(mpjax.loss_scale(scale=policy.loss_scale()), optax.sgd(lr, momentum=0.9))
+    fp8 = level == "fp8"
+    # FP8: the wrapper runs the base policy (O2 bfloat16); value_and_grad runs the dots in FP8.
+    policy = mpjax.fp8.policy("O2", half) if fp8 else mpjax.Policy.from_level(level, half)
+    base = policy.base if fp8 else policy
+    model = mpjax.flax.wrap(CNN(), policy)  # params in param_dtype, ops per the level
+    tx = optax.chain(mpjax.loss_scale(scale=base.loss_scale()), optax.sgd(lr, momentum=0.9))
     x_train, x_test, y_train, y_test = data
     variables = model.init(jax.random.key(seed), x_train[:1])
     params, stats = variables["params"], variables["batch_stats"]
     opt_state = tx.init(params)
 
+    def loss_fn(p, stats, scale, x, y):
+        logits, updates = model.apply(
+            {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+        )
+        return scale.scale(cross_entropy(logits, y)), updates["batch_stats"]
+
+    def predict(params, stats, x):
+        return model.apply({"params": params, "batch_stats": stats}, x)
+
+    scale0 = mpjax.get_loss_scale(opt_state)
+    # The FP8 state (scales and amax histories of each FP8 dot) lives beside the optimizer.
+    fp8_state = (
+        mpjax.fp8.init(loss_fn, policy, params, stats, scale0, x_train[:batch], y_train[:batch])
+        if fp8
+        else None
+    )
+
     @jax.jit
-    def train_step(params, stats, opt_state, x, y):
+    def train_step(params, stats, opt_state, fp8_state, x, y):
         scale = mpjax.get_loss_scale(opt_state)
-
-        def loss_fn(p):
-            logits, updates = model.apply(
-                {"params": p, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
-            )
-            return scale.scale(cross_entropy(logits, y)), updates["batch_stats"]
-
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if fp8:
+            grad_fn = mpjax.fp8.value_and_grad(loss_fn, policy, has_aux=True)
+            (loss, stats), grads, fp8_state = grad_fn(fp8_state, params, stats, scale, x, y)
+        else:
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            (loss, stats), grads = grad_fn(params, stats, scale, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         metrics = mpjax.loss_scale_metrics(opt_state)
-        return optax.apply_updates(params, updates), stats, opt_state, scale.unscale(loss), metrics
+        params = optax.apply_updates(params, updates)
+        return params, stats, opt_state, fp8_state, scale.unscale(loss), metrics
 
     @jax.jit
-    def accuracy(params, stats, x, y):
-        logits = model.apply({"params": params, "batch_stats": stats}, x)
+    def accuracy(params, stats, fp8_state, x, y):
+        if fp8:  # evaluated in FP8 too, at the trained scales (rows padded to 16, then cut)
+            logits = mpjax.fp8.apply(predict, policy)(fp8_state, params, stats, pad16(x))
+            logits = logits[: len(y)]
+        else:
+            logits = predict(params, stats, x)
         return jnp.mean(jnp.argmax(logits, -1) == y)
 
     rng = np.random.default_rng(seed)
     steps_per_epoch = len(x_train) // batch
     losses, scales = [], []
-    name = f"{level} {half}" if level != "O0" else "O0 float32"
+    name = "FP8 O2 bfloat16" if fp8 else f"{level} {half}" if level != "O0" else "O0 float32"
     # Compile before the timed loop (the results are thrown away: the run starts at step 0).
-    jax.block_until_ready(train_step(params, stats, opt_state, x_train[:batch], y_train[:batch]))
+    jax.block_until_ready(
+        train_step(params, stats, opt_state, fp8_state, x_train[:batch], y_train[:batch])
+    )
     start = time.perf_counter()
-    for _ in tqdm(range(epochs), desc=f"{name:>14}", disable=not bar, leave=True):
+    for _ in tqdm(range(epochs), desc=f"{name:>15}", disable=not bar, leave=True):
         order = rng.permutation(len(x_train))
         for s in range(steps_per_epoch):
             idx = order[s * batch : (s + 1) * batch]
-            params, stats, opt_state, loss, metrics = train_step(
-                params, stats, opt_state, x_train[idx], y_train[idx]
+            params, stats, opt_state, fp8_state, loss, metrics = train_step(
+                params, stats, opt_state, fp8_state, x_train[idx], y_train[idx]
             )
             losses.append(loss)
             scales.append(metrics["loss_scale"])
@@ -114,7 +149,8 @@ def train(level: str, half: str, epochs: int, batch: int, lr: float, seed: int, 
         "run": name,
         "level": level,
         "dtype": half if level != "O0" else "float32",
-        "test_accuracy": float(accuracy(params, stats, x_test, y_test)),
+        "test_accuracy": float(accuracy(params, stats, fp8_state, x_test, y_test)),
+        "fp8_sites": fp8_state.num_sites if fp8 else 0,
         "final_loss": float(np.mean(losses[-tail:])),
         "steps_per_s": len(losses) / seconds,
         "skipped_steps": int(metrics["skipped_steps"]),
@@ -125,12 +161,13 @@ def train(level: str, half: str, epochs: int, batch: int, lr: float, seed: int, 
 
 
 def table(results) -> str:
-    head = "| run | test acc | final loss | steps/s | skipped | final scale |"
-    rows = [head, "|---|---:|---:|---:|---:|---:|"]
+    head = "| run | test acc | final loss | steps/s | skipped | final scale | FP8 sites |"
+    rows = [head, "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         rows.append(
             f"| {r['run']} | {100 * r['test_accuracy']:.2f}% | {r['final_loss']:.4f} | "
-            f"{r['steps_per_s']:.0f} | {r['skipped_steps']} | {r['final_loss_scale']:g} |"
+            f"{r['steps_per_s']:.0f} | {r['skipped_steps']} | {r['final_loss_scale']:g} | "
+            f"{r['fp8_sites']} |"
         )
     return "\n".join(rows)
 
@@ -158,7 +195,7 @@ def plot(results, path: str) -> None:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--level", choices=[*mpjax.LEVELS, "all"], default="all")
+    parser.add_argument("--level", choices=[*mpjax.LEVELS, "fp8", "all"], default="all")
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "both"], default="both")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch", type=int, default=64)
@@ -169,9 +206,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--no-bar", action="store_true", help="hide the progress bars")
     args = parser.parse_args(argv)
 
-    levels = mpjax.LEVELS if args.level == "all" else (args.level,)
+    levels = (*mpjax.LEVELS, "fp8") if args.level == "all" else (args.level,)
     halves = ("float16", "bfloat16") if args.dtype == "both" else (args.dtype,)
-    runs = [(lv, h) for lv in levels for h in (halves if lv != "O0" else halves[:1])]
+    # FP8 runs on a bfloat16 base (the FP8 training convention), whatever --dtype says.
+    runs = [
+        (lv, h)
+        for lv in levels
+        for h in (("bfloat16",) if lv == "fp8" else halves if lv != "O0" else halves[:1])
+    ]
     data = load_data(args.seed)
     print(
         f"jax {jax.__version__} on {jax.default_backend()}; {len(data[0])} train, "

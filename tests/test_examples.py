@@ -1,4 +1,4 @@
-"""The flagship example trains every level to O0's accuracy (short run)."""
+"""The flagship example trains every level to O0's accuracy, and FP8 to bf16 O2's (short run)."""
 
 import pathlib
 import sys
@@ -12,11 +12,15 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 def test_train_digits_levels_match_o0_accuracy(tmp_path):
     train_digits = pytest.importorskip("train_digits")
     results = train_digits.main(["--epochs", "8", "--no-bar", "--out", str(tmp_path)])
-    assert len(results) == 7
+    assert len(results) == 8
     acc = {r["run"]: r["test_accuracy"] for r in results}
     assert acc["O0 float32"] > 0.93
     for run in ("O1 float16", "O1 bfloat16", "O2 float16", "O2 bfloat16"):
         assert abs(acc[run] - acc["O0 float32"]) <= 0.01, run
+    # FP8 (O2 bfloat16 base, last): its 1024x128 Dense is an FP8 site; accuracy as bf16 O2.
+    assert results[-1]["run"] == "FP8 O2 bfloat16" and results[-1]["fp8_sites"] == 1
+    assert abs(acc["FP8 O2 bfloat16"] - acc["O2 bfloat16"]) <= 0.015
+    assert all(r["fp8_sites"] == 0 for r in results[:-1])
     assert all(r["skipped_steps"] == 0 for r in results)
     assert (tmp_path / "digits_loss.png").stat().st_size > 10_000
     assert results[1]["final_loss_scale"] == 2.0**15  # O1 float16 runs a dynamic scale
