@@ -29,7 +29,7 @@ from flax.training import train_state
 
 from mpjax._src import hardware, transform
 from mpjax._src import loss_scale as ls_lib
-from mpjax._src.autocast import F32_REGION, autocast
+from mpjax._src.autocast import F32_REGION, autocast, region_key
 from mpjax._src.fp8 import FP8Policy
 from mpjax._src.policy import Policy, cast_floating
 
@@ -65,9 +65,10 @@ class _Resolver:
         self.path_rules: list[tuple[str, str]] = []
         self.markers: dict[str, Policy] = {}
         self._by_class: dict[type, str | None] = {}
-        for i, (key, value) in enumerate((rules or {}).items()):
-            marker = f"rule{i}"
-            self.markers[marker] = _rule_policy(value, policy)
+        for key, value in (rules or {}).items():
+            rule_policy = _rule_policy(value, policy)
+            marker = region_key(rule_policy)
+            self.markers[marker] = rule_policy
             if isinstance(key, type):
                 self.class_rules.append((key, marker))
             elif isinstance(key, str):

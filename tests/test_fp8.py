@@ -59,7 +59,10 @@ def test_representable_inputs_match_bf16_reference(rng, level):
 
     loss, grads, _ = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))(state, w, x, dy)
     ref_loss, ref_grads = jax.value_and_grad(mpjax.autocast(_loss, pol.base))(w, x, dy)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-2)
+    # The loss's terms cancel: judge it against the sum of their magnitudes (the bf16
+    # reference rounds each product before the sum, FP8 accumulates in float32).
+    magnitude = float(jnp.sum(jnp.abs((x @ w) * dy)))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=0, atol=1e-2 * magnitude)
     np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), atol=1e-4)
 
 

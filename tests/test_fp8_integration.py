@@ -125,6 +125,17 @@ def test_linen_rules_and_keep_norm_fp32_still_apply(rng):
     assert f32_elementwise(pol) >= f32_elementwise(off) + 2
 
 
+def test_a_half_level_rule_other_than_the_base_stays_out_of_fp8(rng):
+    pol = mpjax.fp8.policy("O2")
+    o1_f16 = mpjax.Policy.from_level("O1", "float16")
+    loss, params, x, y = _linen(pol, rng, rules={"Dense_1": o1_f16})
+    state = mpjax.fp8.init(loss, pol, params, x, y)
+    assert state.num_sites == 2  # Dense_1 runs its own policy (O1 float16), not FP8
+    report = mpjax.audit(mpjax.fp8.apply(loss, pol), state, params, x, y)
+    dtypes = [m.operand_dtypes for m in report.matmuls]
+    assert dtypes.count(("float16", "float16")) == 1 and len(report.fp8_matmuls) == 2
+
+
 def test_nnx_split_merge_params_train_in_fp8(rng):
     pol = mpjax.fp8.policy("O2")
     model = mpjax.flax.wrap(NNXMLP(nnx.Rngs(int(rng.integers(1 << 30)))), pol)

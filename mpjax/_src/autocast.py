@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -193,8 +194,23 @@ class _Context:
         self.body_hook: Callable[[Any, Policy], Any] | None = None
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:
-        markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker]
-        return self.by_marker[markers[-1]] if markers else inherited
+        markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker or m in _REGIONS]
+        if not markers:
+            return inherited
+        return self.by_marker.get(markers[-1]) or _REGIONS[markers[-1]]
+
+
+# Region keys made by region_key(): an enclosing interpreter that was not given the rules (a
+# function of a wrapped model under another autocast or under mpjax.fp8) still applies them.
+_REGIONS: dict[str, Policy] = {}
+_REGION_COUNT = itertools.count()
+
+
+def region_key(policy: Policy) -> str:
+    """A process-unique region key for `policy`, known to every autocast evaluation."""
+    key = f"r{next(_REGION_COUNT)}"
+    _REGIONS[key] = policy
+    return key
 
 
 def _op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:

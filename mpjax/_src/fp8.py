@@ -367,13 +367,17 @@ class _Sites:
     rules are traced apart from these frames, so their dots stay in the base half dtype.
     """
 
-    def __init__(self, scale: jax.Array | None, sink: jax.Array | None):
+    def __init__(self, scale: jax.Array | None, sink: jax.Array | None, base: Any = None):
         self.count = 0
+        # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
+        self.base = base
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
         self.frames: list[tuple[Any, Any, Any]] = [(_trace_state(), scale, sink)]
 
     def __call__(self, eqn: Any, invals: list[Any], mode: Any) -> Any:
         if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn):
+            return None
+        if self.base is not None and mode != self.base:
             return None
         trace, scale, sink = self.frames[-1]
         if _trace_state() != trace:
@@ -476,7 +480,7 @@ def init(fn: Callable[..., Any], pol: FP8Policy, *example_args: Any) -> FP8State
     count = []
 
     def counted(*args: Any) -> Any:
-        sites = _Sites(None, None)
+        sites = _Sites(None, None, pol.base)
         out = _run(fn, pol, sites, args)
         count.append(sites.count)
         return out
@@ -524,7 +528,7 @@ def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
     def wrapped(state: FP8State, *args: Any) -> Any:
         state = _check_state(state, pol)
         n = state.num_sites
-        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32))
+        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32), pol.base)
         out = _run(fn, pol, sites, args)
         if sites.count != n:
             raise _num_mismatch(n, sites.count)
@@ -587,7 +591,7 @@ def value_and_grad(
         counts = []
 
         def inner(p: Any, sink: jax.Array) -> Any:
-            sites = _Sites(state.scale, sink)
+            sites = _Sites(state.scale, sink, pol.base)
             out = _run(fn, pol, sites, (p, *args))
             counts.append(sites.count)
             return out if has_aux else (out, None)
