@@ -83,6 +83,18 @@ def _steps(loss, pol, state, params, x, y, n=3):
     return value, grads, state
 
 
+def _train_step(loss, pol, tx):
+    """A jitted step: FP8 gradients, then the optax update; the FP8 state threaded beside."""
+
+    @jax.jit
+    def train_step(params, opt_state, fp8_state, x, y):
+        value, grads, fp8_state = mpjax.fp8.value_and_grad(loss, pol)(fp8_state, params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, fp8_state, value
+
+    return train_step
+
+
 # -- Flax -----------------------------------------------------------------------------------------
 
 
@@ -150,11 +162,7 @@ def test_nnx_split_merge_params_train_in_fp8(rng):
     tx = optax.adamw(1e-2)
     opt_state = tx.init(params)
 
-    @jax.jit
-    def train_step(params, opt_state, fp8_state, x, y):
-        value, grads, fp8_state = mpjax.fp8.value_and_grad(loss, pol)(fp8_state, params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, fp8_state, value
+    train_step = _train_step(loss, pol, tx)
 
     losses = []
     for _ in range(20):
@@ -278,11 +286,7 @@ def test_audit_reports_the_fp8_dots_of_a_train_step(rng):
     tx = optax.chain(mpjax.loss_scale(), optax.sgd(0.1))
     opt_state = tx.init(params)
 
-    @jax.jit
-    def train_step(params, opt_state, fp8_state, x, y):
-        value, grads, fp8_state = mpjax.fp8.value_and_grad(loss, pol)(fp8_state, params, x, y)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, fp8_state, value
+    train_step = _train_step(loss, pol, tx)
 
     report = mpjax.audit(train_step, params, opt_state, state, x, y)
     fp8 = report.fp8_matmuls

@@ -456,14 +456,8 @@ class _Env:
         return jc.literal_array(v) if isinstance(v, jc.Literal) else self.known.get(v)
 
     def cast(self, v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
-        known = self.known_value(v)
-        # A constant that is known to fit needs no clamp.
-        linear = not isinstance(v, jc.Literal) and v in self.linear
-        saturate = not linear and (
-            known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
-        )
         if isinstance(v, jc.Literal):
-            return _cast(jc.literal_array(v), dtype, saturate=saturate)
+            return _cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
         if x.dtype == dtype:
             return x
         key = (v, np.dtype(dtype), shape)
@@ -472,8 +466,16 @@ class _Env:
                 # Broadcast in float32 before casting down: the transpose is then a float32
                 # sum (a bias gradient), not a half one.
                 x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
-            self.casts[key] = _cast(x, dtype, saturate=saturate)
+            self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
+
+    def _saturate(self, v: Any, dtype: np.dtype) -> bool:
+        """Whether a cast of `v` clamps: not for tangents (a clamp is not linear), nor for a
+        constant known to fit."""
+        if not isinstance(v, jc.Literal) and v in self.linear:
+            return False
+        known = self.known_value(v)
+        return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
 
 
 def _known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
@@ -578,14 +580,23 @@ def _rebuild_closed(
     traceback: Any = None,
 ) -> Any:
     """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
+    body = _body_evaluator(ctx, closed, mode, flags, traceback)
+    return _trace_body(lambda *args: body(list(args)), list(closed.in_avals), context)
+
+
+def _body_evaluator(
+    ctx: _Context, closed: Any, mode: Any, flags: Any, traceback: Any
+) -> Callable[[list[Any]], list[Any]]:
+    """Evaluates a sub-jaxpr under the policy and casts its outputs back to their traced dtypes
+    (loop carries and custom rules need their boundary types unchanged)."""
     in_static, in_held, out_flags = flags
 
-    def body(*args: Any) -> list[Any]:
+    def body(args: list[Any]) -> list[Any]:
         outs, _ = _eval_jaxpr(
             ctx,
             closed.jaxpr,
             list(closed.consts),
-            list(args),
+            args,
             mode,
             in_static=in_static,
             in_held=in_held,
@@ -594,8 +605,12 @@ def _rebuild_closed(
         )
         return _to_traced(outs, closed.out_avals)
 
+    return body
+
+
+def _trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None) -> Any:
     try:
-        return jc.trace(body, list(closed.in_avals), context)
+        return jc.trace(body, avals, context)
     except (ImportError, AttributeError) as e:  # JAX internals moved
         raise _CannotRebuild(str(e)) from None
 
@@ -654,13 +669,10 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Call
 
     def wrap(rule: Any) -> Any:
         def run(*args: Any) -> Any:
-            dynamic = [i for i, a in enumerate(args) if _is_dynamic(a)]
+            dynamic = _dynamic(args)
 
             def flat(*dyn: Any) -> Any:
-                full = list(args)
-                for i, x in zip(dynamic, dyn, strict=True):
-                    full[i] = x
-                return rule.call_wrapped(*full)
+                return rule.call_wrapped(*_fill(args, dynamic, dyn))
 
             closed = jc.trace(flat, [jc.aval_of(args[i]) for i in dynamic])
             n, nin = len(dynamic), len(held)
@@ -705,31 +717,17 @@ def _bind_with_operands(
     closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
     nc = p["num_consts"] if scan else len(eqn.invars)
     nk, nx, n = len(consts), len(xs), len(eqn.invars)
-    in_static, in_held, out_flags = flags
+    evaluate = _body_evaluator(ctx, closed, mode, flags, tb)
 
     def body(*args: Any) -> list[Any]:
         args_ = list(args)
         with enter(args_[nc : nc + nk], args_[nk + n :]):
-            outs, _ = _eval_jaxpr(
-                ctx,
-                closed.jaxpr,
-                list(closed.consts),
-                args_[:nc] + args_[nc + nk : nk + n],
-                mode,
-                in_static=in_static,
-                in_held=in_held,
-                out_flags=out_flags,
-                traceback=tb,
-            )
-        return _to_traced(outs, closed.out_avals)
+            return evaluate(args_[:nc] + args_[nc + nk : nk + n])
 
     avals = list(closed.in_avals)
     avals[nc:nc] = [jc.aval_of(c) for c in consts]
     avals += [jc.aval_of(x).update(shape=jc.aval_of(x).shape[1:]) for x in xs]
-    try:
-        rebuilt = jc.trace(body, avals)
-    except (ImportError, AttributeError) as e:  # JAX internals moved
-        raise _CannotRebuild(str(e)) from None
+    rebuilt = _trace_body(body, avals)
     if scan:
         p.update(jaxpr=rebuilt, num_consts=nc + nk)
         if "linear" in p:  # older JAX (0.6) records which operands are linear
@@ -844,6 +842,46 @@ def _is_dynamic(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
+def _dynamic(leaves: Any) -> list[int]:
+    """The positions of the array leaves; the others are static (baked into the trace)."""
+    return [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+
+
+def _fill(leaves: Any, dynamic: list[int], dyn: Any) -> list[Any]:
+    """`leaves` with the dynamic ones replaced by `dyn`."""
+    full = list(leaves)
+    for i, x in zip(dynamic, dyn, strict=True):
+        full[i] = x
+    return full
+
+
+def trace_call(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:
+    """`fn(*args, **kwargs)` traced at its array leaves: (closed jaxpr, output tree, the array
+    leaves to evaluate it on). Non-array leaves are baked in, as jax.jit's static arguments."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = _dynamic(leaves)
+    return _trace_leaves(fn, leaves, treedef, dynamic) + ([leaves[i] for i in dynamic],)
+
+
+def _trace_leaves(
+    fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
+) -> Any:
+    def flat_fn(*dyn: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(treedef, _fill(leaves, dynamic, dyn))
+        return fn(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*[leaves[i] for i in dynamic])
+    return closed, jax.tree_util.tree_structure(out_shape)
+
+
+def evaluate(ctx: _Context, closed: Any, dyn: list[Any], cast_outputs: bool = True) -> list[Any]:
+    """Evaluates a traced function under `ctx`'s policy; floating outputs in its output dtype."""
+    outs, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), ctx.policy)
+    if cast_outputs:
+        outs = [_cast(x, ctx.policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
+    return outs
+
+
 def autocast(
     fn: Callable[..., Any],
     policy: Policy,
@@ -902,12 +940,12 @@ def autocast(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+        dynamic = _dynamic(leaves)
         dyn = [leaves[i] for i in dynamic]
         key = _signature(treedef, leaves, dynamic)
         entry = cache.get(key) if key is not None else None
         if entry is None:
-            entry = _build(ctx, policy, fn, leaves, treedef, dynamic, cast_outputs)
+            entry = _build(ctx, fn, leaves, treedef, dynamic, cast_outputs)
             if key is not None and entry.cacheable:
                 cache[key] = entry
                 if len(cache) > _CACHE_SIZE:
@@ -960,34 +998,21 @@ class _Entry:
 
 def _build(
     ctx: _Context,
-    policy: Policy,
     fn: Callable[..., Any],
     leaves: list[Any],
     treedef: Any,
     dynamic: list[int],
     cast_outputs: bool,
 ) -> _Entry:
-    def flat_fn(*dyn: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(dynamic, dyn, strict=True):
-            full[i] = x
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        return fn(*a, **k)
+    closed, out_tree = _trace_leaves(fn, leaves, treedef, dynamic)
 
-    dyn_leaves = [leaves[i] for i in dynamic]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn_leaves)
-    out_tree = jax.tree_util.tree_structure(out_shape)
-
-    def evaluate(dyn: list[Any]) -> list[Any]:
-        outs, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), policy)
-        if cast_outputs:
-            outs = [_cast(x, policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
-        return outs
+    def run(dyn: list[Any]) -> list[Any]:
+        return evaluate(ctx, closed, dyn, cast_outputs)
 
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         # `fn` closes over a tracer of an enclosing transformation: evaluate now, never cache.
-        return _Entry(None, out_tree, evaluate)
+        return _Entry(None, out_tree, run)
     ctx.memo.clear()
-    casted = jc.trace(lambda *dyn: evaluate(list(dyn)), [v.aval for v in closed.jaxpr.invars])
+    casted = jc.trace(lambda *dyn: run(list(dyn)), [v.aval for v in closed.jaxpr.invars])
     ctx.memo.clear()
     return _Entry(casted, out_tree, None)

@@ -423,26 +423,11 @@ class _Sites:
 
 
 def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(args)
-    dynamic = [i for i, x in enumerate(leaves) if autocast_lib._is_dynamic(x)]
-
-    def flat_fn(*dyn: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(dynamic, dyn, strict=True):
-            full[i] = x
-        return fn(*jax.tree_util.tree_unflatten(treedef, full))
-
-    dyn = [leaves[i] for i in dynamic]
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dyn)
+    closed, out_tree, dyn = autocast_lib.trace_call(fn, args, {})
     ctx = autocast_lib._Context(pol.base, {})
     ctx.eqn_hook = sites
     ctx.body_hook = sites.body
-    outs, _ = autocast_lib._eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), dyn, pol.base)
-    outs = [
-        autocast_lib._cast(x, pol.base.output_dtype) if autocast_lib._is_float(x.dtype) else x
-        for x in outs
-    ]
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return jax.tree_util.tree_unflatten(out_tree, autocast_lib.evaluate(ctx, closed, dyn))
 
 
 def _check(pol: Any) -> FP8Policy:

@@ -26,8 +26,6 @@ DropVar = core.DropVar
 Jaxpr = core.Jaxpr
 ClosedJaxpr = core.ClosedJaxpr
 
-JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
-
 
 def literal_array(v: Any) -> np.ndarray:
     """A Literal's value as a NumPy array of its aval's dtype.
@@ -86,10 +84,6 @@ def _wrap_fwd_thunk(thunk: Callable[..., Any], wrap_rule: Any) -> Callable[..., 
         return closed.jaxpr, closed.consts
 
     return new_thunk
-
-
-def is_custom_rule_fun(f: Any) -> bool:
-    return isinstance(f, lu.WrappedFun)
 
 
 def jaxpr_as_fun(closed: Any) -> Callable[..., Any]:
