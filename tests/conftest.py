@@ -1,14 +1,33 @@
 """Shared test helpers."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
 
+_SEED_KEY = pytest.StashKey[int]()
+
 
 @pytest.fixture
-def rng():
-    """A fresh, unseeded NumPy generator: each run draws new inputs (never zeros)."""
-    return np.random.default_rng()
+def rng(request):
+    """A freshly seeded NumPy generator: each run draws new inputs (never zeros).
+
+    The seed is reported with a failure; ``MPJAX_TEST_SEED=<seed>`` replays that draw.
+    """
+    env = os.environ.get("MPJAX_TEST_SEED")
+    seed = int(env) if env else int(np.random.SeedSequence().generate_state(1, np.uint64)[0])
+    request.node.stash[_SEED_KEY] = seed
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    seed = item.stash.get(_SEED_KEY, None)
+    if seed is not None and report.failed:
+        report.sections.append(("rng seed", f"replay with MPJAX_TEST_SEED={seed}"))
 
 
 def bits(x):

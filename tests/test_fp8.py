@@ -225,22 +225,95 @@ def test_shared_weight_two_sites_by_hand():
     np.testing.assert_allclose(np.asarray(grads), np.full((16, 16), 28.0))
 
 
-def test_cond_branches_and_small_dots_stay_in_half(rng):
-    def loss(w, x):
-        h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jnp.tanh(h @ w), lambda h: h @ w * 2.0, x)
+def test_small_dots_and_while_bodies_stay_in_half(rng):
+    def loss(w, x, m):
         small = x[:8] @ w  # 8 rows: not a multiple of 16
-        return jnp.sum(h * h) + jnp.sum(small * small)
+        # A while loop (no reverse-mode gradient to carry amaxes out): its dot stays in half.
+        _, h = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ m), (0, x))
+        return jnp.sum(small * small) + jnp.sum(jnp.tanh(h) * w[:16])
 
     pol = mpjax.fp8.policy("O1")
     w = jnp.asarray(rng.normal(size=(32, 32)) * 0.1, jnp.float32)
     x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
-    state = mpjax.fp8.init(loss, pol, w, x)
+    m = jnp.asarray(rng.normal(size=(32, 32)) * 0.2, jnp.float32)
+    state = mpjax.fp8.init(loss, pol, w, x, m)
     assert state.num_sites == 0
-    value, grads, _ = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x)
-    ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(loss, pol.base))(w, x)
+    value, grads, _ = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x, m)
+    ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(loss, pol.base))(w, x, m)
     # bfloat16-level agreement (XLA may fuse the two programs differently); FP8 would be ~5% off
     np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-2)
     np.testing.assert_allclose(np.asarray(grads), np.asarray(ref_grads), rtol=2e-2, atol=2e-2)
+
+
+def _branchy(branch):
+    """x @ w0, then branch k of lax.switch: (c_k h) @ w_{k+1}; the loss is the mean."""
+    c = (1.0, 2.0, 0.5)
+
+    def loss(ws, x):
+        h = x @ ws[0]
+        fns = [lambda h, k=k: (c[k] * h) @ ws[k + 1] for k in range(3)]
+        return jnp.mean(jax.lax.switch(branch, fns, h))
+
+    return loss
+
+
+@pytest.mark.parametrize("branch", [0, 1, 2])
+def test_switch_branch_sites_by_hand(branch):
+    # x = 1 (16x32), w0 = 1/4, so h = 8; branch k scales h by c_k = (1, 2, 1/2) and multiplies
+    # by w_{k+1} = 2^-(k+1). Every value is a power of two, exact in FP8 at scale 1. Site 0 is
+    # the top dot, sites 1-3 the branches in index order; the taken branch's site sees input
+    # amax 8 c_k, kernel amax 2^-(k+1) and output-gradient amax 1/(16*32); site 0 sees the
+    # gradient c_k 2^-(k+1) 32 / 512. The branches not taken see nothing: amax 0, scale kept.
+    x = jnp.ones((16, 32), jnp.float32)
+    ws = [jnp.full((32, 32), 0.25, jnp.float32)]
+    ws += [jnp.full((32, 32), 2.0 ** -(k + 1), jnp.float32) for k in range(3)]
+    pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=1))
+    loss = _branchy(jnp.int32(branch))
+    state = mpjax.fp8.init(loss, pol, ws, x)
+    assert state.num_sites == 4
+    value, grads, new = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, ws, x)
+    c, kmax, g = (1.0, 2.0, 0.5)[branch], 2.0 ** -(branch + 1), 1.0 / 512
+    expected = np.zeros((4, 3))
+    expected[0] = [1.0, 0.25, c * kmax * 32 * g]
+    expected[1 + branch] = [8.0 * c, kmax, g]
+    np.testing.assert_array_equal(np.asarray(new.amax_history[..., 0]), expected)
+    seen = expected > 0
+    np.testing.assert_array_equal(
+        np.asarray(new.scale)[seen], (F8MAX * np.ones((4, 1)))[seen] / expected[seen]
+    )
+    np.testing.assert_array_equal(np.asarray(new.scale)[~seen], 1.0)
+    ref_value, ref_grads = jax.value_and_grad(_branchy(branch))(ws, x)  # float32
+    np.testing.assert_array_equal(float(value), float(ref_value))
+    for a, b in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-4)
+    # The audit shows all four dots in FP8 (a cond lowers every branch).
+    report = mpjax.audit(mpjax.fp8.apply(loss, pol), new, ws, x)
+    assert len(report.fp8_matmuls) == 4
+
+
+def test_cond_sites_on_random_inputs_follow_the_taken_branch(rng):
+    def loss(ws, x, pick):
+        h = jnp.tanh(x @ ws[0])
+        h = jax.lax.cond(pick, lambda h: jnp.tanh(h @ ws[1]), lambda h: h @ ws[2] * 2.0, h)
+        return jnp.mean(h * h)
+
+    ws = [jnp.asarray(rng.normal(size=(32, 32)) * 0.2, jnp.float32) for _ in range(3)]
+    x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+    pol = mpjax.fp8.policy("O2")
+    state = mpjax.fp8.init(loss, pol, ws, x, True)
+    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    for pick in (True, False):
+        value, grads, new = step(state, ws, x, pick)
+        ref_value, ref_grads = jax.value_and_grad(loss)(ws, x, pick)  # float32
+        assert abs(float(value) - float(ref_value)) <= 5e-2 * abs(float(ref_value))
+        taken, other = (2, 1) if pick else (1, 2)  # branches in index order: false, true
+        assert np.all(np.asarray(new.amax_history[taken, :, 0]) > 0)
+        np.testing.assert_array_equal(np.asarray(new.amax_history[other]), 0.0)
+        unused = 2 if pick else 1  # the weight of the branch not taken gets no gradient
+        np.testing.assert_array_equal(np.asarray(grads[unused]), 0.0)
+        for i in (0, 3 - unused):
+            a, b = np.ravel(grads[i]), np.ravel(ref_grads[i])
+            assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.95
 
 
 def _scan_layers(ws, x):

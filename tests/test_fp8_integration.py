@@ -177,6 +177,44 @@ def test_nnx_split_merge_params_train_in_fp8(rng):
     assert mpjax.fp8.init(loss, pol, params, x, y).num_sites == 2
 
 
+class GatedMLP(nn.Module):
+    """nn.cond between two Dense heads (Flax lifts it to lax.cond): each head is a site."""
+
+    def setup(self):
+        self.body = nn.Dense(64)
+        self.head_a, self.head_b = nn.Dense(16), nn.Dense(16)
+
+    def __call__(self, x, use_a):
+        h = nn.relu(self.body(x))
+        if self.is_initializing():  # nn.cond needs both branches' params made up front
+            self.head_a(h), self.head_b(h)
+        return nn.cond(use_a, lambda mdl, h: mdl.head_a(h), lambda mdl, h: mdl.head_b(h), self, h)
+
+
+def test_linen_nn_cond_heads_are_sites_and_the_taken_one_updates(rng):
+    pol = mpjax.fp8.policy("O2")
+    wrapped = mpjax.flax.wrap(GatedMLP(), pol)
+    x, y = _data(rng)
+    params = wrapped.init(jax.random.key(int(rng.integers(1 << 30))), x, True)["params"]
+    raw = GatedMLP()
+
+    def loss(p, x, y, use_a, model=wrapped):
+        return jnp.mean((model.apply({"params": p}, x, use_a) - y) ** 2)
+
+    state = mpjax.fp8.init(loss, pol, params, x, y, True)
+    assert state.num_sites == 3  # the first Dense, then the heads (false branch first)
+    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    for use_a, taken, head in ((True, 2, "head_a"), (False, 1, "head_b")):
+        value, grads, new = step(state, params, x, y, use_a)
+        ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y, use_a, raw)  # float32
+        assert _rel(value, ref_value) < 0.05
+        assert np.all(np.asarray(new.amax_history[taken, :, 0]) > 0)
+        np.testing.assert_array_equal(np.asarray(new.amax_history[3 - taken]), 0.0)
+        np.testing.assert_array_equal(np.asarray(new.scale[3 - taken]), 1.0)
+        g, r = grads[head]["kernel"], ref_grads[head]["kernel"]
+        assert _cos(g, r) > 0.95
+
+
 # -- the optax chain and transforms -------------------------------------------------------------
 
 

@@ -185,8 +185,9 @@ class _Context:
         # Optional (eqn, operands, policy) -> result or None: runs an op itself instead of the
         # rule (mpjax.fp8 runs dot_general in FP8 this way). None falls back to the rule.
         self.eqn_hook: Callable[[Any, list[Any], Policy], Any] | None = None
-        # Optional (eqn, policy) -> (consts, xs, enter) or None, asked at each scan and remat:
-        # extra operands for its body. `consts` join a scan's constants (a remat's inputs),
+        # Optional (eqn, policy) -> (consts, xs, enter) or None, asked at each scan, remat and
+        # cond: extra operands for its bodies. `consts` join a scan's constants (a remat's or
+        # a cond's operands, each branch entered in turn),
         # `xs` (leading axis: the length; scan only) its scanned inputs, and
         # `enter(consts, rows)`, given their values inside the body, returns a context manager
         # held while the body is evaluated. mpjax.fp8 passes amax sinks into bodies this way:
@@ -700,32 +701,47 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Call
     return wrap
 
 
-_BODY_OPERAND_OPS = frozenset({"scan", "remat2", "checkpoint"})
+_BODY_OPERAND_OPS = frozenset({"scan", "remat2", "checkpoint", "cond"})
 
 
 def _bind_with_operands(
     ctx: _Context, eqn: Any, invals: list[Any], mode: Any, flags: Any, tb: Any, extra: Any
 ) -> Any:
-    """Binds a scan or remat whose rebuilt body also takes the operands `extra` gives (see
-    _Context.body_hook): constants after the scan's own (a remat's inputs at the end), scanned
-    inputs after the scan's own."""
+    """Binds a scan, remat or cond whose rebuilt bodies also take the operands `extra` gives
+    (see _Context.body_hook): constants after the scan's own (at the end of a remat's or a
+    cond's operands), scanned inputs after the scan's own."""
     consts, xs, enter = extra
     p = dict(eqn.params)
-    scan = eqn.primitive.name == "scan"
-    if not scan and xs:
+    name = eqn.primitive.name
+    if name != "scan" and xs:
         raise ValueError("only a scan takes extra scanned operands")
-    closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
-    nc = p["num_consts"] if scan else len(eqn.invars)
+    args = _to_traced(invals, [v.aval for v in eqn.invars])
     nk, nx, n = len(consts), len(xs), len(eqn.invars)
+    const_avals = [jc.aval_of(c) for c in consts]
+    if name == "cond":  # each branch takes the operands (not the index), then `consts`
+        branches = []
+        for branch in p["branches"]:
+            evaluate = _body_evaluator(ctx, branch, mode, flags, tb)
+
+            def run(*a: Any, evaluate: Any = evaluate) -> list[Any]:
+                with enter(list(a[n - 1 :]), []):
+                    return evaluate(list(a[: n - 1]))
+
+            branches.append(_trace_body(run, [*branch.in_avals, *const_avals]))
+        p["branches"] = tuple(branches)
+        return jc.bind(eqn.primitive, args + list(consts), p)
+    scan = name == "scan"
+    closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
+    nc = p["num_consts"] if scan else n
     evaluate = _body_evaluator(ctx, closed, mode, flags, tb)
 
-    def body(*args: Any) -> list[Any]:
-        args_ = list(args)
+    def body(*a: Any) -> list[Any]:
+        args_ = list(a)
         with enter(args_[nc : nc + nk], args_[nk + n :]):
             return evaluate(args_[:nc] + args_[nc + nk : nk + n])
 
     avals = list(closed.in_avals)
-    avals[nc:nc] = [jc.aval_of(c) for c in consts]
+    avals[nc:nc] = const_avals
     avals += [jc.aval_of(x).update(shape=jc.aval_of(x).shape[1:]) for x in xs]
     rebuilt = _trace_body(body, avals)
     if scan:
@@ -737,7 +753,6 @@ def _bind_with_operands(
         if rebuilt.consts:
             raise _CannotRebuild("rebuilt jaxpr captured constants")
         p["jaxpr"] = rebuilt.jaxpr
-    args = _to_traced(invals, [v.aval for v in eqn.invars])
     return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
 
 
@@ -773,7 +788,8 @@ def _eval_eqn(
     if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
         extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
         if extra is not None:
-            flags = _sub_flags(eqn, "jaxpr", static, held, facts, ctx, mode)
+            key = "branches" if name == "cond" else "jaxpr"
+            flags = _sub_flags(eqn, key, static, held, facts, ctx, mode)
             try:
                 out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
                 return list(out), [False] * nout

@@ -92,9 +92,11 @@ class FP8Policy:
 
     Every other op follows `base`. Dots in ``lax.scan`` bodies (nested scans and remat
     bodies in them included) are sites too, each counted once however many iterations run it,
-    with the max of its amaxes over the iterations. Dots whose contracting size or either
-    operand's free size is not a multiple of 16, dots in float32 regions, and dots inside
-    while, cond or custom-derivative bodies run as `base` says (in its half dtype).
+    with the max of its amaxes over the iterations; so are the dots of each ``lax.cond`` or
+    ``lax.switch`` branch (a step updates the sites of the branch it took). Dots whose
+    contracting size or either operand's free size is not a multiple of 16, dots in float32
+    regions, and dots inside while-loop or custom-derivative bodies run as `base` says (in its
+    half dtype).
 
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
@@ -363,8 +365,10 @@ class _Sites:
     (each counted once however many times it runs). A scan body gets the scales as a constant
     and the amax sinks as a scanned input, one row per iteration: the cotangent of those rows
     is stacked by scan's transpose, and :func:`_spread` takes its max over the iterations. A
-    remat body gets both as inputs. The bodies of while loops, conds and custom-derivative
-    rules are traced apart from these frames, so their dots stay in the base half dtype.
+    remat body and each branch of a cond get both as operands; the sites of a branch not
+    taken see no amax that step (zero), so their scales stay. The bodies of while loops and
+    custom-derivative rules are traced apart from these frames, so their dots stay in the
+    base half dtype (a while loop has no reverse-mode gradient to carry amaxes out).
     """
 
     def __init__(self, scale: jax.Array | None, sink: jax.Array | None, base: Any = None):
@@ -399,11 +403,11 @@ class _Sites:
         )
 
     def body(self, eqn: Any, mode: Any) -> Any:
-        """The body hook: the scales and sinks a scan or remat body needs for its sites."""
+        """The body hook: the scales and sinks a scan, remat or cond body needs for its sites."""
         trace, scale, sink = self.frames[-1]
-        body = eqn.params["jaxpr"]
-        body = body.jaxpr if isinstance(body, jex_core.ClosedJaxpr) else body
-        if _trace_state() != trace or not _has_eligible(body):
+        bodies = eqn.params["branches"] if eqn.primitive.name == "cond" else [eqn.params["jaxpr"]]
+        bodies = [b.jaxpr if isinstance(b, jex_core.ClosedJaxpr) else b for b in bodies]
+        if _trace_state() != trace or not any(_has_eligible(b) for b in bodies):
             return None
         consts = [] if scale is None else [scale, sink]
         xs = []
