@@ -190,6 +190,49 @@ def test_plain_step_matmul_dtypes_flops_and_sources(dtype, share):
         )
 
 
+SAFE_EXPS = {
+    "sigmoid": jax.nn.sigmoid,  # lowered as 1 / (1 + exp(-x)): an overflow gives 0, the limit
+    "silu": jax.nn.silu,
+    "gelu_exact": lambda h: jax.nn.gelu(h, approximate=False),  # derivative: exp(-x*x) <= 1
+    "exp_neg_abs": lambda h: jnp.exp(-jnp.abs(h)),
+    "exp_neg_square": lambda h: jnp.exp(-h * h),
+}
+UNSAFE_EXPS = {
+    "exp": jnp.exp,
+    "softplus_by_hand": lambda h: jnp.log1p(jnp.exp(h)),
+    "exp_square": lambda h: jnp.exp(h * h),
+    # 1 / (1 + exp(x)) is safe forward, but its derivative multiplies by exp(x): inf * 0 = nan
+    "reused_exp": lambda h: 1.0 / (1.0 + jnp.exp(h)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SAFE_EXPS) + sorted(UNSAFE_EXPS))
+@pytest.mark.parametrize("dtype", HALVES)
+def test_an_exp_that_cannot_overflow_is_not_a_risk(name, dtype):
+    act = {**SAFE_EXPS, **UNSAFE_EXPS}[name]
+
+    def loss(h):
+        return jnp.sum(act(h.astype(dtype)).astype(jnp.float32))
+
+    # Half-representable inputs far into float16's exp overflow range (exp(12) > 65504).
+    h = np.concatenate([np.linspace(-40.0, 40.0, 61), [-500.0, 500.0, 0.0]])
+    h = jnp.asarray(np.asarray(h, dtype).astype(np.float32))
+    report = mpjax.audit(jax.value_and_grad(loss), h, compile=False)
+    exps = [r for r in report.risks if r.op == "exp"]
+    if name in UNSAFE_EXPS:
+        assert exps, name
+        return
+    assert exps == [], exps
+    # Not flagged because harmless: value and gradient finite and as float32 computes them.
+    value, grad = jax.jit(jax.value_and_grad(loss))(h)
+    ref_value, ref_grad = jax.value_and_grad(lambda h: jnp.sum(act(h)))(h)
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
+    eps = float(jnp.finfo(dtype).eps)
+    ref_abs = float(jnp.sum(jnp.abs(act(h))))
+    assert abs(float(value) - float(ref_value)) <= 4 * eps * ref_abs
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(ref_grad), rtol=4 * eps, atol=4 * eps)
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 def test_f32_list_ops_in_half_are_flagged(dtype):
     def f(w, x):
@@ -441,6 +484,18 @@ def test_find_nonfinite_under_autocast_finds_a_half_overflow():
     assert mpjax.find_nonfinite(f, x) is None
     origin = mpjax.find_nonfinite(mpjax.autocast(f, mpjax.Policy.from_level("O1", "float16")), x)
     assert (origin.primitive, origin.dtype, origin.kind) == ("exp", "float16", "inf")
+
+
+def test_find_nonfinite_takes_prng_keys():
+    # A typed key's dtype (key<fry>) is not a NumPy dtype; dropout programs carry one.
+    def dropout_log(key, x):
+        return jnp.log(x * jax.random.bernoulli(key, 0.5, x.shape))
+
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+        dropout = lambda k, x: x * jax.random.bernoulli(k, 0.5, x.shape) / 0.5  # noqa: E731
+        assert mpjax.find_nonfinite(dropout, key, jnp.ones(8)) is None
+        origin = mpjax.find_nonfinite(dropout_log, key, jnp.ones(64))
+        assert (origin.primitive, origin.kind) == ("log", "inf")
 
 
 # -- hardware advice ---------------------------------------------------------------------------

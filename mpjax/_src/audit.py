@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
@@ -320,6 +321,56 @@ def _reduction(op: Any) -> str | None:
     return _REDUCTIONS.get(body[0]) if len(body) == 2 and body[1] == "stablehlo.return" else None
 
 
+def _producer(value: Any) -> Any:
+    """The operation that defines `value`, or None for a block argument."""
+    try:
+        result: Any = ir.OpResult(value)
+    except ValueError:
+        return None
+    return result.owner.operation if hasattr(result.owner, "operation") else result.owner
+
+
+def _is_constant(value: Any) -> bool:
+    op = _producer(value)
+    while op is not None and op.name == "stablehlo.broadcast_in_dim":
+        op = _producer(op.operands[0])
+    return op is not None and op.name == "stablehlo.constant"
+
+
+def _exp_cannot_overflow(op: Any) -> bool:
+    """Whether a half ``exp`` is harmless by construction, so not a risk: its argument is
+    ``-(x*x)`` or ``-|x|`` (erf's derivative; its exp is at most 1), or it only feeds ``c / (k + exp)``
+    (JAX's lowering of logistic, so sigmoid and silu), where an overflow gives the right
+    limit, 0."""
+    arg = _producer(op.operands[0])
+    if arg is not None and arg.name == "stablehlo.negate":  # -(x*x), -|x|
+        inner = _producer(arg.operands[0])
+        if inner is not None and inner.name in ("chlo.square", "stablehlo.abs"):
+            return True
+        if inner is not None and inner.name == "stablehlo.multiply":
+            a, b = inner.operands
+            if a == b:
+                return True
+    if arg is not None and arg.name == "stablehlo.multiply":  # (-x)*x, x*(-x)
+        a, b = arg.operands
+        for neg, other in ((a, b), (b, a)):
+            p = _producer(neg)
+            if p is not None and p.name == "stablehlo.negate" and p.operands[0] == other:
+                return True
+    uses = list(op.results[0].uses)
+    if not uses:
+        return False
+    for use in uses:
+        add = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        if add.name != "stablehlo.add" or not any(_is_constant(v) for v in add.operands):
+            return False
+        for div_use in add.results[0].uses:
+            div = div_use.owner.operation if hasattr(div_use.owner, "operation") else div_use.owner
+            if div.name != "stablehlo.divide" or div_use.operand_number != 1:
+                return False
+    return True
+
+
 @dataclasses.dataclass
 class _Lowered:
     """What the walk of the lowered module found."""
@@ -379,6 +430,8 @@ def _read_module(module: Any) -> _Lowered:
                 )
             else:
                 risk = _reduction(op) if kind == "stablehlo.reduce" else _RISK_OPS.get(kind)
+                if risk == "exp" and _exp_cannot_overflow(op):
+                    risk = None
                 out = _tensor(op.results[0]) if risk and len(op.results) else None
                 if risk and out is not None and out[1] in HALF_DTYPES:
                     found.risks.append(Risk(risk, out[1], out[0], name, source))
@@ -456,7 +509,9 @@ class AuditReport:
         (those of a function called from several places once per call). FP8 ones (see
         ``fp8_matmuls``) have half operands dequantized from float8 just before the op.
       converts: the number of dtype conversions.
-      risks: float32-list ops (exp, log, rsqrt, sums, ...) that run in half precision.
+      risks: float32-list ops (exp, log, rsqrt, sums, ...) that run in half precision. An
+        exp that cannot overflow is left out: one of ``-x*x`` or ``-|x|`` (erf's derivative)
+        or one that only feeds ``c / (k + exp)`` (JAX's lowering of sigmoid, so silu).
       untouched: primitives autocast did not know and ran in their traced dtype.
       compiled_matmuls: (kind, operand dtypes) of the matmuls in the backend's optimized HLO,
         or None if it could not be compiled. On CPU, XLA may run half matmuls in float32.
@@ -711,7 +766,8 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
         return v.val if isinstance(v, jax_compat.Literal) else env[v]
 
     def bad(x: Any) -> str | None:
-        if not (hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.inexact)):
+        # jnp.issubdtype, not np: a PRNG key's dtype (key<fry>) is not a NumPy dtype.
+        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
             return None
         arr = np.asarray(x, np.float64) if np.dtype(x.dtype).itemsize <= 8 else np.asarray(x)
         if np.isnan(arr).any():
