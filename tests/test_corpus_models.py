@@ -59,6 +59,8 @@ from jax import lax
 import mpjax
 import mpjax.flax
 
+pytestmark = pytest.mark.slow  # about 70 s: `pytest -m slow` (CI runs it)
+
 LEVELS = ["O1", "O2", "O3"]
 DTYPES = ["float16", "bfloat16"]
 EPS = {"float16": float(jnp.finfo(jnp.float16).eps), "bfloat16": float(jnp.finfo(jnp.bfloat16).eps)}
