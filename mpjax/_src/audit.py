@@ -339,9 +339,9 @@ def _is_constant(value: Any) -> bool:
 
 def _exp_cannot_overflow(op: Any) -> bool:
     """Whether a half ``exp`` is harmless by construction, so not a risk: its argument is
-    ``-(x*x)`` or ``-|x|`` (erf's derivative; its exp is at most 1), or it only feeds ``c / (k + exp)``
-    (JAX's lowering of logistic, so sigmoid and silu), where an overflow gives the right
-    limit, 0."""
+    ``-(x*x)`` or ``-|x|`` (erf's derivative; its exp is at most 1), or it only feeds
+    ``c / (k + exp)`` (JAX's lowering of logistic, so sigmoid and silu), where an overflow
+    gives the right limit, 0."""
     arg = _producer(op.operands[0])
     if arg is not None and arg.name == "stablehlo.negate":  # -(x*x), -|x|
         inner = _producer(arg.operands[0])
