@@ -280,6 +280,19 @@ _DEQUANT_PATH = frozenset(
 )
 
 
+def _owner(owner: Any) -> Any:
+    """The operation of a result's or a use's owner (an OpView or an Operation)."""
+    return owner.operation if hasattr(owner, "operation") else owner
+
+
+def _result(value: Any) -> Any:
+    """`value` as the result of an operation, or None for a block argument."""
+    try:
+        return ir.OpResult(value)
+    except ValueError:
+        return None
+
+
 def _fp8_origin(value: Any, funcs: dict[str, Any], depth: int = 12) -> str | None:
     """The float8 dtype `value` holds or was dequantized from (a convert from float8, then
     scales, converts and layout changes), or None. Follows results of called functions and
@@ -289,11 +302,10 @@ def _fp8_origin(value: Any, funcs: dict[str, Any], depth: int = 12) -> str | Non
         return t[1]
     if depth == 0:
         return None
-    try:
-        result: Any = ir.OpResult(value)
-    except ValueError:
+    result = _result(value)
+    if result is None:
         return None  # a block argument
-    op = result.owner.operation if hasattr(result.owner, "operation") else result.owner
+    op = _owner(result.owner)
     name = op.name
     if name == "func.call":
         callee = next((funcs[c] for c in _callees(op) if c in funcs), None)
@@ -323,11 +335,8 @@ def _reduction(op: Any) -> str | None:
 
 def _producer(value: Any) -> Any:
     """The operation that defines `value`, or None for a block argument."""
-    try:
-        result: Any = ir.OpResult(value)
-    except ValueError:
-        return None
-    return result.owner.operation if hasattr(result.owner, "operation") else result.owner
+    result = _result(value)
+    return None if result is None else _owner(result.owner)
 
 
 def _is_constant(value: Any) -> bool:
@@ -361,12 +370,11 @@ def _exp_cannot_overflow(op: Any) -> bool:
     if not uses:
         return False
     for use in uses:
-        add = use.owner.operation if hasattr(use.owner, "operation") else use.owner
+        add = _owner(use.owner)
         if add.name != "stablehlo.add" or not any(_is_constant(v) for v in add.operands):
             return False
         for div_use in add.results[0].uses:
-            div = div_use.owner.operation if hasattr(div_use.owner, "operation") else div_use.owner
-            if div.name != "stablehlo.divide" or div_use.operand_number != 1:
+            if _owner(div_use.owner).name != "stablehlo.divide" or div_use.operand_number != 1:
                 return False
     return True
 

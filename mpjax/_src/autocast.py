@@ -187,11 +187,11 @@ class _Context:
         self.eqn_hook: Callable[[Any, list[Any], Policy], Any] | None = None
         # Optional (eqn, policy) -> (consts, xs, enter) or None, asked at each scan, remat and
         # cond: extra operands for its bodies. `consts` join a scan's constants (a remat's or
-        # a cond's operands, each branch entered in turn),
-        # `xs` (leading axis: the length; scan only) its scanned inputs, and
-        # `enter(consts, rows)`, given their values inside the body, returns a context manager
-        # held while the body is evaluated. mpjax.fp8 passes amax sinks into bodies this way:
-        # one row per iteration, so that scan's transpose stacks their cotangents, not sums.
+        # a cond's operands, each branch entered in turn), `xs` (leading axis: the length;
+        # scan only) its scanned inputs, and `enter(consts, rows)`, given their values inside
+        # the body, returns a context manager held while the body is evaluated. mpjax.fp8
+        # passes amax sinks into bodies this way: one row per iteration, so that scan's
+        # transpose stacks their cotangents, not sums.
         self.body_hook: Callable[[Any, Policy], Any] | None = None
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:

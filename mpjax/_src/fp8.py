@@ -637,12 +637,11 @@ def describe(state: FP8State) -> list[dict[str, float]]:
         )
     with np.errstate(invalid="ignore"):
         amax = hist.max(axis=-1) if state.recipe.amax_compute_algo == "max" else hist[..., 0]
+    roles = (("input", INPUT), ("kernel", KERNEL), ("grad", GRAD))
     rows = []
     for i in range(scale.shape[0]):
         row: dict[str, float] = {"site": i}
-        for role, r in (("input", INPUT), ("kernel", KERNEL), ("grad", GRAD)):
-            row[f"{role}_scale"] = float(scale[i, r])
-        for role, r in (("input", INPUT), ("kernel", KERNEL), ("grad", GRAD)):
-            row[f"{role}_amax"] = float(amax[i, r])
+        row.update({f"{role}_scale": float(scale[i, r]) for role, r in roles})
+        row.update({f"{role}_amax": float(amax[i, r]) for role, r in roles})
         rows.append(row)
     return rows
