@@ -139,7 +139,11 @@ def _value(x: Any, v: Any) -> Any:
     return jc.literal_array(v) if isinstance(v, jc.Literal) else x
 
 
-def _cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = True) -> Any:
+def _cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = False) -> Any:
+    """One convert, as ``x.astype(dtype)``: a value that overflows `dtype` becomes inf, as in
+    hand-written code and every peer, so loss scaling and find_nonfinite see it. `saturate`
+    clamps finite values to `dtype`'s range first; only for values with no derivative path
+    (see _Env.saturates), where the clamp costs no residual."""
     if getattr(x, "dtype", None) == dtype and not weak_type:
         return x
     if saturate and _is_float(dtype) and _is_float(x.dtype) and _max(dtype) < _max(x.dtype):
@@ -152,10 +156,9 @@ def _max(dtype: Any) -> float:
 
 
 def _saturate(x: Any, dtype: np.dtype) -> Any:
-    """Clamps finite values to `dtype`'s range, so that a cast mpjax inserts never turns a
-    finite value into an infinity (a mask fill of finfo(float32).min, an overflowing sum):
-    -inf - -inf would make NaN where float32 had a number. Infinities and NaN pass as they are.
-    XLA fuses this into the convert."""
+    """Clamps finite values to `dtype`'s range, so that a mask fill of finfo(float32).min
+    stays finite (-inf - -inf would make NaN where float32 had a number). Infinities and NaN
+    pass as they are. XLA fuses this into the convert."""
     lim = lax.full_like(x, _max(dtype))
     clamped = lax.max(lax.min(x, lim), lax.neg(lim))
     return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
@@ -442,8 +445,11 @@ class _Env:
         self.static: set[Any] = set()
         self.known: dict[Any, np.ndarray] = {}
         self.index: set[Any] = set()  # decided values and floats made from integers
-        # tangents and cotangents inside a custom rule: casts of these stay linear (no clamp)
-        self.linear: set[Any] = set()
+        # Floats with no derivative path: every float they are computed from is a literal, a
+        # trace-time constant or inert itself (a mask bias made from an integer or boolean
+        # mask). Only these saturate when cast down: a clamp of a differentiated value would
+        # save its masks for the backward pass.
+        self.inert: set[Any] = set()
         # one convert per value and dtype, not per use
         self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
 
@@ -470,10 +476,12 @@ class _Env:
             self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
 
+    def is_inert(self, v: Any) -> bool:
+        return isinstance(v, jc.Literal) or v in self.inert
+
     def _saturate(self, v: Any, dtype: np.dtype) -> bool:
-        """Whether a cast of `v` clamps: not for tangents (a clamp is not linear), nor for a
-        constant known to fit."""
-        if not isinstance(v, jc.Literal) and v in self.linear:
+        """Whether a cast of `v` clamps: only an inert value not known to fit."""
+        if not self.is_inert(v):
             return False
         known = self.known_value(v)
         return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
@@ -505,7 +513,7 @@ def _eval_jaxpr(
     in_static: list[bool] | None = None,
     in_held: list[bool] | None = None,
     in_known: list[Any] | None = None,
-    in_linear: list[bool] | None = None,
+    in_inert: list[bool] | None = None,
     out_flags: tuple[Flags, ...] | None = None,
     traceback: Any = None,
 ) -> tuple[list[Any], list[bool]]:
@@ -519,6 +527,8 @@ def _eval_jaxpr(
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env.vals[v] = x
         env.static.add(v)
+        if not (isinstance(x, jax.core.Tracer) and _is_float(x.dtype)):
+            env.inert.add(v)  # a tracer of an enclosing trace may be differentiated
         if isinstance(x, (np.ndarray, np.generic)) or (
             isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
         ):
@@ -532,8 +542,8 @@ def _eval_jaxpr(
             env.held.add(v)
         if in_known is not None and in_known[i] is not None:
             env.known[v] = in_known[i]
-        if in_linear is not None and in_linear[i]:
-            env.linear.add(v)
+        if in_inert[i] if in_inert is not None else v in env.static:
+            env.inert.add(v)
     for eqn in jaxpr.eqns:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
@@ -546,13 +556,13 @@ def _eval_jaxpr(
         known = None
         if all(static):
             known = _known_outputs(eqn, [env.known_value(v) for v in eqn.invars])
-        linear = any(not isinstance(v, jc.Literal) and v in env.linear for v in eqn.invars)
+        inert = all(env.is_inert(v) for v in eqn.invars if _is_float(v.aval.dtype))
         for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
             if isinstance(v, jc.DropVar):
                 continue
             env.vals[v] = x
-            if linear:
-                env.linear.add(v)
+            if inert:
+                env.inert.add(v)
             if holds[i]:
                 env.held.add(v)
             if all(static):
@@ -677,13 +687,11 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Call
 
             closed = jc.trace(flat, [jc.aval_of(args[i]) for i in dynamic])
             n, nin = len(dynamic), len(held)
-            in_held, in_linear = None, [False] * n
-            if n == 2 * nin:  # a jvp rule: primals, then tangents (linear)
-                in_held, in_linear = held * 2, [False] * nin + [True] * nin
+            in_held = None
+            if n == 2 * nin:  # a jvp rule: primals, then tangents
+                in_held = held * 2
             elif n == nin:  # a forward rule: primals
                 in_held = held
-            elif n > nout:  # a backward rule: residuals, then cotangents (linear)
-                in_linear = [False] * (n - nout) + [True] * nout
             outs, _ = _eval_jaxpr(
                 ctx,
                 closed.jaxpr,
@@ -692,7 +700,6 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Call
                 mode,
                 in_static=[False] * n,
                 in_held=in_held,
-                in_linear=in_linear,
             )
             return _to_traced(outs, closed.out_avals)
 
@@ -781,7 +788,7 @@ def _eval_eqn(
             in_static=static,
             in_held=held,
             in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
-            in_linear=[not isinstance(v, jc.Literal) and v in env.linear for v in eqn.invars],
+            in_inert=[env.is_inert(v) for v in eqn.invars],
             out_flags=tuple(facts.flags(v) for v in eqn.outvars),
             traceback=tb,
         )

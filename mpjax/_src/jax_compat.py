@@ -147,6 +147,15 @@ def shard_map_context(params: dict[str, Any]) -> Iterator[None]:
         yield
 
 
+def saved_residuals(f: Callable[..., Any], *args: Any) -> list[tuple[Any, bool]]:
+    """What reverse-mode AD of `f` at `args` saves for the backward pass: (aval, whether it
+    is one of the arguments itself) per residual (``jax.ad_checkpoint.print_saved_residuals``
+    prints these; the list is private in 0.6-0.10)."""
+    from jax._src.ad_checkpoint import saved_residuals as residuals
+
+    return [(aval, "from the argument" in why) for aval, why in residuals(f, *args)]
+
+
 def summarize_source(source_info: Any) -> str:
     """'file:line (function)' of the user's frame that made an equation (JAX 0.6-0.10)."""
     return source_info_util.summarize(source_info)
