@@ -57,7 +57,8 @@ def residual_bytes(f: Any, *args: Any) -> dict[str, int]:
     out: dict[str, int] = collections.Counter()
     for aval, is_argument in jax_compat.saved_residuals(f, *args):
         if not is_argument:
-            out[np.dtype(aval.dtype).name] += int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+            dtype = np.dtype(aval.dtype)
+            out[dtype.name] += int(np.prod(aval.shape)) * dtype.itemsize
     return dict(out)
 
 
@@ -78,26 +79,25 @@ def _bytes_of(shape: str) -> int:
     return total
 
 
-def _split_instruction(rest: str) -> tuple[str, str, str, str]:
-    """'SHAPE opcode(operands), attrs' -> (shape, opcode, operands, attrs)."""
-    depth, i = 0, 0
+def _close(text: str, start: int) -> int:
+    """The index of the parenthesis closing the one opened just before `start`."""
+    depth = 1
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _split_instruction(rest: str) -> tuple[str, str, str]:
+    """'SHAPE opcode(operands), attrs' -> (shape, opcode, operands)."""
     if rest.startswith("("):  # a tuple shape
-        for i, c in enumerate(rest):
-            depth += c == "("
-            depth -= c == ")"
-            if depth == 0:
-                break
-        shape, rest = rest[: i + 1], rest[i + 1 :].lstrip()
+        end = _close(rest, 1)
+        shape, rest = rest[: end + 1], rest[end + 1 :].lstrip()
     else:
         shape, _, rest = rest.partition(" ")
     opcode, _, rest = rest.partition("(")
-    depth = 1
-    for i, c in enumerate(rest):
-        depth += c == "("
-        depth -= c == ")"
-        if depth == 0:
-            break
-    return shape, opcode.strip(), rest[:i], rest[i + 1 :]
+    return shape, opcode.strip(), rest[: _close(rest, 0)]
 
 
 def fusion_bytes(hlo_text: str) -> int:
@@ -136,7 +136,7 @@ def fusion_bytes(hlo_text: str) -> int:
         for line in computations.get(comp, []):
             m = _INSTRUCTION.match(line)
             assert m is not None
-            shape, opcode, operands, _ = _split_instruction(m.group(2))
+            shape, opcode, operands = _split_instruction(m.group(2))
             shapes[m.group(1)] = shape
             if opcode in _NOT_KERNELS:
                 continue

@@ -74,6 +74,8 @@ _TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "next
 _DECISION_OPS = frozenset(
     {"lt", "le", "gt", "ge", "eq", "ne", "is_finite", "argmax", "argmin", "sort", "top_k"}
 )
+# Ops for which a constant operand is a fill or a bound: one beyond the half's range saturates.
+_FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
 # Custom-derivative calls: their rules (jvp, fwd, bwd) run under the policy too.
 _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
@@ -116,6 +118,10 @@ def half_precision() -> contextlib.AbstractContextManager[None]:
       dtype(bfloat16)
     """
     return _scope(HALF_REGION)
+
+
+def _size(v: Any) -> int:
+    return int(np.prod(v.aval.shape))
 
 
 def _is_float(dtype: Any) -> bool:
@@ -164,13 +170,23 @@ def _saturate(x: Any, dtype: np.dtype) -> Any:
     return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
 
 
+def _as(known: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """`known` and `known` cast to `dtype`, both as float64."""
+    with np.errstate(all="ignore"):
+        return np.asarray(known, np.float64), np.asarray(known).astype(dtype).astype(np.float64)
+
+
+def _underflows(known: np.ndarray, dtype: np.dtype) -> bool:
+    """Whether casting `known` to `dtype` turns a nonzero into zero (an epsilon of 1e-12)."""
+    k, cast = _as(known, dtype)
+    return bool(np.any((k != 0) & (cast == 0)))
+
+
 def _changes_meaning(known: np.ndarray, dtype: np.dtype) -> bool:
     """Whether casting the trace-time constant `known` to `dtype` turns a finite value into an
     infinity or a nonzero into zero (a mask fill of -1e30, an epsilon of 1e-12 in float16)."""
-    with np.errstate(all="ignore"):
-        cast = np.asarray(known).astype(dtype).astype(np.float64)
-        k = np.asarray(known, np.float64)
-        return bool(np.any(np.isfinite(k) & ~np.isfinite(cast)) or np.any((k != 0) & (cast == 0)))
+    k, cast = _as(known, dtype)
+    return bool(np.any(np.isfinite(k) & ~np.isfinite(cast))) or _underflows(known, dtype)
 
 
 class _Context:
@@ -355,6 +371,7 @@ def _target_dtype(
     index: list[bool],
     known: list[Any],
     out_flags: list[Flags],
+    bias_add: bool = False,
 ) -> tuple[Any, bool]:
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
 
@@ -372,7 +389,14 @@ def _target_dtype(
     traced = [np.dtype(eqn.invars[i].aval.dtype) for i in fin]
     full = _widest([*traced, np.dtype(np.float32)])
     if mode == "f32":
-        return full, True
+        # Statistics made in the region (f32-list results and what is computed only from
+        # them) stay held when they leave it; its activations (a norm's output) do not, so
+        # at O2 the next bulk op runs in half and saves its residuals in half, as apex's
+        # float32 BatchNorm hands half outputs on.
+        strong = [i for i in fin if not static[i]]
+        return full, name in ops.F32_OPS | base.f32_ops or bool(strong) and all(
+            held[i] for i in strong
+        )
     if mode == "half":
         return base.compute_dtype, False
     policy: Policy = mode
@@ -407,7 +431,11 @@ def _target_dtype(
             (d, lit or eqn.invars[i].aval.weak_type, h, s)
             for (d, lit, h, s), i in zip(floats, fin, strict=True)
         ]
-        if policy.level == "O1":
+        if policy.level == "O1" and bias_add:
+            # A matmul's bias is part of it, as in torch's nn.Linear and F.conv under autocast:
+            # the half result stays half, instead of promoting every activation to float32.
+            target, hold = policy.compute_dtype, False
+        elif policy.level == "O1":
             strong = [f for f in floats if not f[1]] or floats
             target, hold = _widest([d for d, _, _, _ in strong]), False
         else:
@@ -418,10 +446,14 @@ def _target_dtype(
                 target, hold = full, all(h for _, _, h, _ in strong)
             else:
                 target, hold = policy.compute_dtype, False
-    if np.dtype(target).itemsize < 4 and any(
-        k is not None and _changes_meaning(k, target) for k in known
-    ):
-        return full, True  # a constant half cannot hold: the op runs where it can
+    if np.dtype(target).itemsize < 4:
+        bad = [k for k in known if k is not None and _changes_meaning(k, target)]
+        if bad and name in _FILL_OPS and not any(_underflows(k, target) for k in bad):
+            # A fill beyond the half's range (jnp.where(mask, x, finfo(float32).min)) keeps its
+            # meaning saturated to the half's maximum, and the op stays in half.
+            return target, hold
+        if bad:
+            return full, True  # a constant half cannot hold: the op runs where it can
     return target, hold
 
 
@@ -450,6 +482,8 @@ class _Env:
         # mask). Only these saturate when cast down: a clamp of a differentiated value would
         # save its masks for the backward pass.
         self.inert: set[Any] = set()
+        self.lowered: set[Any] = set()  # results of lower-list ops (matmuls, convolutions)
+        self.spread: set[Any] = set()  # results of a broadcast that grows a value (JAX 0.6)
         # one convert per value and dtype, not per use
         self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
 
@@ -476,6 +510,15 @@ class _Env:
             self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
 
+    def is_bias_add(self, eqn: Any) -> bool:
+        """Whether an add adds a smaller, broadcast value (a bias) to a matmul's result."""
+        a, b = eqn.invars
+        if isinstance(a, jc.Literal) or a not in self.lowered:
+            a, b = b, a
+        if isinstance(a, jc.Literal) or a not in self.lowered or isinstance(b, jc.Literal):
+            return False
+        return _is_float(b.aval.dtype) and (_size(b) < _size(a) or b in self.spread)
+
     def is_inert(self, v: Any) -> bool:
         return isinstance(v, jc.Literal) or v in self.inert
 
@@ -483,8 +526,27 @@ class _Env:
         """Whether a cast of `v` clamps: only an inert value not known to fit."""
         if not self.is_inert(v):
             return False
-        known = self.known_value(v)
-        return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
+        return _beyond(self.known_value(v), dtype)
+
+    def saturate_fills(self, eqn: Any, invals: list[Any], half: np.dtype) -> list[Any]:
+        """A fill op's known constants beyond `half`'s range, clamped to it in their own dtype:
+        at O3 the program runs as if written in half, where jnp.where(mask, x,
+        finfo(dtype).min) fills with the half's minimum, even where the where itself runs in
+        float32 (its result decides something, as a masked softmax's maximum does)."""
+        out = list(invals)
+        for i, v in enumerate(eqn.invars):
+            known = self.known_value(v)
+            if known is None or not _is_float(v.aval.dtype) or not _beyond(known, half):
+                continue
+            lim = _max(half)
+            fill = np.where(np.isfinite(known), np.clip(known, -lim, lim), known)
+            out[i] = jc.convert(np.asarray(fill, v.aval.dtype), v.aval.dtype, v.aval.weak_type)
+        return out
+
+
+def _beyond(known: Any, dtype: np.dtype) -> bool:
+    """Whether a value, `known` or not (None), may lie beyond `dtype`'s finite range."""
+    return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
 
 
 def _known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
@@ -826,12 +888,24 @@ def _eval_eqn(
         hooked = ctx.eqn_hook(eqn, invals, mode)
         if hooked is not None:
             return (list(hooked) if multiple else [hooked]), [False] * nout
+    if name in _FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
+        invals = env.saturate_fills(eqn, invals, mode.compute_dtype)
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
     known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
     index = [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars]
     out_flags = [facts.flags(v) for v in eqn.outvars]
     target, hold = _target_dtype(
-        name, eqn, vals, mode, ctx.policy, held, static, index, known, out_flags
+        name,
+        eqn,
+        vals,
+        mode,
+        ctx.policy,
+        held,
+        static,
+        index,
+        known,
+        out_flags,
+        bias_add=name == "add" and env.is_bias_add(eqn),
     )
     if target == "traced" or (
         name == "convert_element_type" and not _is_float(eqn.invars[0].aval.dtype)
@@ -858,6 +932,10 @@ def _eval_eqn(
             for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
         ]
         out = jc.bind(eqn.primitive, cast_vals, _fix_params(eqn.params, target))
+        if name in _op_lists(mode)[0]:
+            env.lowered.update(eqn.outvars)
+    if name == "broadcast_in_dim" and _size(eqn.outvars[0]) > _size(eqn.invars[0]):
+        env.spread.update(eqn.outvars)
     return (list(out) if multiple else [out]), [hold] * nout
 
 
