@@ -168,8 +168,30 @@ def test_o1_follow_ops_take_the_widest_and_weak_scalars_do_not_promote(rng):
     w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
     assert in_dtypes(f, w, x, name="mul") == [(HALF["float16"],) * 2]  # 2.0 is weak: half
     assert in_dtypes(f, w, x, name="tanh") == [(HALF["float16"],)]
-    g = mpjax.autocast(lambda w, b, x: x @ w + b, mpjax.Policy.from_level("O1", "float16"))
-    assert in_dtypes(g, w, jnp.ones(4), x, name="add") == [(F32, F32)]  # half + f32 bias: f32
+    g = mpjax.autocast(lambda w, r, x: x @ w + r, mpjax.Policy.from_level("O1", "float16"))
+    assert in_dtypes(g, w, jnp.ones((2, 4)), x, name="add") == [(F32, F32)]  # half + f32: f32
+
+
+@pytest.mark.parametrize("layer", ["dense", "conv"])
+def test_o1_bias_add_is_part_of_the_matmul(layer, rng):
+    """As torch's nn.Linear/conv under autocast (the bias inside the GEMM): the biased result
+    stays half, so the activations after it are not promoted to float32."""
+    if layer == "dense":
+        w, b = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), jnp.ones(4)
+        x = jnp.asarray(rng.normal(size=(2, 3)), jnp.float32)
+        fn = lambda w, b, x: jax.nn.gelu(x @ w + b)
+    else:
+        w, b = jnp.asarray(rng.normal(size=(3, 3, 2, 4)), jnp.float32), jnp.ones(4)
+        x = jnp.asarray(rng.normal(size=(1, 5, 5, 2)), jnp.float32)
+        conv = lambda x, w: lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        fn = lambda w, b, x: jax.nn.gelu(conv(x, w) + b.reshape(1, 1, 1, -1))
+    f = mpjax.autocast(fn, mpjax.Policy.from_level("O1", "float16"))
+    assert in_dtypes(f, w, b, x, name="add")[0] == (HALF["float16"],) * 2
+    assert in_dtypes(f, w, b, x, name="tanh") == [(HALF["float16"],)]
+    assert f(w, b, x).dtype == F32  # outputs in output_dtype
+    np.testing.assert_allclose(f(w, b, x), fn(w, b, x), rtol=1e-2, atol=1e-2)
 
 
 def test_o2_keeps_what_f32_ops_produce_in_float32(rng):
