@@ -19,6 +19,7 @@ sys.path.insert(0, HERE)
 import compile_overhead  # noqa: E402
 import harness  # noqa: E402
 import loss_scale_overhead  # noqa: E402
+import memory  # noqa: E402
 import models  # noqa: E402
 import simplenet  # noqa: E402
 
@@ -40,6 +41,9 @@ def main(argv=None) -> None:
         r = models.main(["--model", kind, "--size", args.model_size, "--rounds", str(args.rounds)])
         raw[kind] = r
         sections.append(r["markdown"])
+    r = memory.main(["--rounds", str(2 * args.rounds)])
+    raw["memory"] = r
+    sections += [m["markdown"] for m in r["results"]]
     r = loss_scale_overhead.main(["--rounds", str(3 * args.rounds)])
     raw["loss_scale_overhead"] = r
     rows = [[k, f"{r['median_step_ms'][k]:.3f}", f"{v:.3f}"] for k, v in r["ratio_to_noop"].items()]

@@ -31,3 +31,32 @@ def test_flax_model_benchmarks_run(model):
     result = models.main(["--model", model, "--size", "tiny", "--rounds", "1", "--steps", "1"])
     assert len(result["rows"]) == 9 and result["flops_per_step"] > 0
     assert -1 < result["loss_scale_overhead"] < 10
+
+
+@pytest.mark.slow
+def test_memory_benchmark_reports_every_variant_and_target():
+    memory = pytest.importorskip("memory")
+    out = memory.main(["--model", "transformer", "--size", "tiny", "--rounds", "0"])
+    (result,) = out["results"]
+    rows = result["rows"]
+    assert {"float32", "hand-written bfloat16", "mpjax O2 float16", "mpjax O3 bfloat16"} <= set(
+        rows
+    )
+    for name, row in rows.items():
+        assert row["residual_bytes"] > 0 and row["temp_bytes"] > 0 and row["fusion_bytes"] > 0, name
+    # Counted, not timed: O2 saves half-size residuals where float32 saves full ones.
+    assert rows["mpjax O2 bfloat16"]["residual_bytes"] < rows["float32"]["residual_bytes"]
+    assert len(result["targets"]) == len(memory.TARGETS)
+    assert "| mpjax O2 bfloat16 |" in result["markdown"]
+
+
+def test_fusion_bytes_counts_each_kernels_operands_and_results():
+    memory = pytest.importorskip("memory")
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x, w: jnp.tanh(x @ w).astype(jnp.bfloat16).sum())
+    text = f.lower(jnp.ones((4, 8)), jnp.ones((8, 8))).compile().as_text()
+    # At least the inputs (4x8 and 8x8 float32) read and the bfloat16 scalar written; at most
+    # that plus the dot's 4x8 float32 result written and read again (XLA may fuse the two).
+    assert 4 * (32 + 64) + 2 <= memory.fusion_bytes(text) <= 4 * (32 + 64 + 32 + 32) + 2

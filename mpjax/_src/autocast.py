@@ -74,6 +74,11 @@ _TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "next
 _DECISION_OPS = frozenset(
     {"lt", "le", "gt", "ge", "eq", "ne", "is_finite", "argmax", "argmin", "sort", "top_k"}
 )
+# Held values (see _target_dtype): statistics (f32-list results and what is computed only from
+# them), and float16 activations leaving a float32 region, held for float32's range.
+_GUARD, _STAT = 1, 2
+# Ops that commute with a cast down (a monotone rounding): relu(cast(x)) == cast(relu(x)).
+_CAST_COMMUTES = frozenset({"max", "min", "abs", "neg", "select_n", "clamp", "sign"})
 # Ops for which a constant operand is a fill or a bound: one beyond the half's range saturates.
 _FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
 # Custom-derivative calls: their rules (jvp, fwd, bwd) run under the policy too.
@@ -118,6 +123,11 @@ def half_precision() -> contextlib.AbstractContextManager[None]:
       dtype(bfloat16)
     """
     return _scope(HALF_REGION)
+
+
+def _narrow(dtype: Any) -> bool:
+    """Whether `dtype`'s range is narrower than float32's (float16: yes; bfloat16: no)."""
+    return bool(jnp.finfo(dtype).maxexp < jnp.finfo(np.float32).maxexp)
 
 
 def _size(v: Any) -> int:
@@ -366,13 +376,13 @@ def _target_dtype(
     vals: list[Any],
     mode: Any,
     base: Policy,
-    held: list[bool],
+    held: list[int],
     static: list[bool],
     index: list[bool],
     known: list[Any],
     out_flags: list[Flags],
     bias_add: bool = False,
-) -> tuple[Any, bool]:
+) -> tuple[Any, int]:
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
 
     Returns (None, hold) to leave the operands as they are, ("traced", False) to run the op in
@@ -383,20 +393,24 @@ def _target_dtype(
     if not fin:
         return None, False
     if name in SHAPE_OPS or name in _PASS_OPS:
-        return None, any(held[i] for i in fin)
+        return None, max(held[i] for i in fin)
     if name in _TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
         return "untouched", False  # unknown primitive: never wrong, only slower
     traced = [np.dtype(eqn.invars[i].aval.dtype) for i in fin]
     full = _widest([*traced, np.dtype(np.float32)])
     if mode == "f32":
         # Statistics made in the region (f32-list results and what is computed only from
-        # them) stay held when they leave it; its activations (a norm's output) do not, so
-        # at O2 the next bulk op runs in half and saves its residuals in half, as apex's
-        # float32 BatchNorm hands half outputs on.
-        strong = [i for i in fin if not static[i]]
-        return full, name in ops.F32_OPS | base.f32_ops or bool(strong) and all(
-            held[i] for i in strong
-        )
+        # them) stay held when they leave it. With bfloat16 (float32's range) its activations
+        # (a norm's output) do not: at O2 the next bulk op runs in half and saves its
+        # residuals in half, as apex's float32 BatchNorm hands half outputs on. float16's
+        # range ends at 65504, so there they stay float32 until bulk math casts them down
+        # (gelu's x**3 of a LayerNorm output of 50 overflows it).
+        dyn = [i for i in fin if not static[i]]
+        if name in ops.F32_OPS | base.f32_ops:
+            return full, _STAT
+        if dyn and all(held[i] for i in dyn):
+            return full, min(held[i] for i in dyn)
+        return full, _GUARD if _narrow(base.compute_dtype) else False
     if mode == "half":
         return base.compute_dtype, False
     policy: Policy = mode
@@ -417,9 +431,10 @@ def _target_dtype(
     if name not in lower and strong_in and all(index[i] or static[i] for i in strong_in):
         return "traced", False  # index arithmetic: y - floor(y) for sampling coordinates
     if name in f32 or (name not in lower and fouts and all(f[1] for f in out_flags)):
-        return full, True  # f32-list ops and the elementwise producers feeding only them
+        return full, _STAT  # f32-list ops and the elementwise producers feeding only them
+    hold: int = 0
     if name in lower:
-        target, hold = policy.compute_dtype, False
+        target = policy.compute_dtype
     else:
         # Weak-typed operands and literals (Python scalars in the source) do not promote, as in
         # jnp; at O2 neither do values computed without float inputs (constants, masks).
@@ -440,10 +455,15 @@ def _target_dtype(
             target, hold = _widest([d for d, _, _, _ in strong]), False
         else:
             strong = [f for f in floats if not f[1] and not f[3]]
-            if strong and any(h for _, _, h, _ in strong):
+            kinds = [h for _, _, h, _ in strong]
+            if any(kinds) and name in _CAST_COMMUTES and _STAT not in kinds:
+                # relu of a float32 norm's output: the same as relu of its half cast, so it
+                # runs in half and saves half residuals.
+                target, hold = policy.compute_dtype, False
+            elif any(kinds):
                 # An f32 result meeting half values: the op runs in float32, so a sum of
                 # squares plus an epsilon is not cast down before it divides.
-                target, hold = full, all(h for _, _, h, _ in strong)
+                target, hold = full, min(kinds) if all(kinds) else False
             else:
                 target, hold = policy.compute_dtype, False
     if np.dtype(target).itemsize < 4:
@@ -453,7 +473,7 @@ def _target_dtype(
             # meaning saturated to the half's maximum, and the op stays in half.
             return target, hold
         if bad:
-            return full, True  # a constant half cannot hold: the op runs where it can
+            return full, _STAT  # a constant half cannot hold: the op runs where it can
     return target, hold
 
 
@@ -473,7 +493,7 @@ class _Env:
 
     def __init__(self) -> None:
         self.vals: dict[Any, Any] = {}
-        self.held: set[Any] = set()
+        self.held: dict[Any, int] = {}  # values held in float32: _STAT or _GUARD
         self.static: set[Any] = set()
         self.known: dict[Any, np.ndarray] = {}
         self.index: set[Any] = set()  # decided values and floats made from integers
@@ -518,6 +538,9 @@ class _Env:
         if isinstance(a, jc.Literal) or a not in self.lowered or isinstance(b, jc.Literal):
             return False
         return _is_float(b.aval.dtype) and (_size(b) < _size(a) or b in self.spread)
+
+    def held_kind(self, v: Any) -> int:
+        return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
 
     def is_inert(self, v: Any) -> bool:
         return isinstance(v, jc.Literal) or v in self.inert
@@ -573,12 +596,12 @@ def _eval_jaxpr(
     mode: Any,
     *,
     in_static: list[bool] | None = None,
-    in_held: list[bool] | None = None,
+    in_held: list[int] | None = None,
     in_known: list[Any] | None = None,
     in_inert: list[bool] | None = None,
     out_flags: tuple[Flags, ...] | None = None,
     traceback: Any = None,
-) -> tuple[list[Any], list[bool]]:
+) -> tuple[list[Any], list[int]]:
     """Evaluates `jaxpr` under the policy; returns its outputs and which are held in float32.
 
     `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
@@ -601,7 +624,7 @@ def _eval_jaxpr(
         if in_static[i] if in_static is not None else not _is_float(v.aval.dtype):
             env.static.add(v)
         if in_held is not None and in_held[i]:
-            env.held.add(v)
+            env.held[v] = in_held[i]
         if in_known is not None and in_known[i] is not None:
             env.known[v] = in_known[i]
         if in_inert[i] if in_inert is not None else v in env.static:
@@ -626,13 +649,13 @@ def _eval_jaxpr(
             if inert:
                 env.inert.add(v)
             if holds[i]:
-                env.held.add(v)
+                env.held[v] = holds[i]
             if all(static):
                 env.static.add(v)
                 if known is not None:
                     env.known[v] = known[i]
     outs = [env.read(v) for v in jaxpr.outvars]
-    return outs, [not isinstance(v, jc.Literal) and v in env.held for v in jaxpr.outvars]
+    return outs, [env.held_kind(v) for v in jaxpr.outvars]
 
 
 def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
@@ -648,7 +671,7 @@ def _rebuild_closed(
     ctx: _Context,
     closed: Any,
     mode: Any,
-    flags: tuple[list[bool], list[bool], tuple[Flags, ...] | None],
+    flags: tuple[list[bool], list[int], tuple[Flags, ...] | None],
     context: Any = None,
     traceback: Any = None,
 ) -> Any:
@@ -710,11 +733,11 @@ def _sub_flags(
     eqn: Any,
     key: str,
     static: list[bool],
-    held: list[bool],
+    held: list[int],
     facts: _Facts,
     ctx: _Context,
     mode: Any,
-) -> tuple[list[bool], list[bool], tuple[Flags, ...] | None]:
+) -> tuple[list[bool], list[int], tuple[Flags, ...] | None]:
     """What is known about a sub-jaxpr's inputs (static, held) and its outputs' uses."""
     name, p = eqn.primitive.name, eqn.params
     n = len(eqn.invars)
@@ -736,7 +759,7 @@ def _sub_flags(
     return [False] * n, [False] * n, None
 
 
-def _rule_wrapper(ctx: _Context, mode: Any, held: list[bool], nout: int) -> Callable[[Any], Any]:
+def _rule_wrapper(ctx: _Context, mode: Any, held: list[int], nout: int) -> Callable[[Any], Any]:
     """Makes a custom-derivative rule (jvp, fwd, bwd) run under the policy, with its traced
     dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
 
@@ -833,12 +856,12 @@ def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
 
 def _eval_eqn(
     ctx: _Context, eqn: Any, invals: list[Any], env: _Env, facts: _Facts, mode: Any, tb: Any
-) -> tuple[list[Any], list[bool]]:
+) -> tuple[list[Any], list[int]]:
     name = eqn.primitive.name
     nout = len(eqn.outvars)
     multiple = eqn.primitive.multiple_results
     static = [env.is_static(v) for v in eqn.invars]
-    held = [not isinstance(v, jc.Literal) and v in env.held for v in eqn.invars]
+    held = [env.held_kind(v) for v in eqn.invars]
     if name in INLINE_CALLS:
         closed = eqn.params[INLINE_CALLS[name]]
         return _eval_jaxpr(
