@@ -159,7 +159,7 @@ def _cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = Fal
     """One convert, as ``x.astype(dtype)``: a value that overflows `dtype` becomes inf, as in
     hand-written code and every peer, so loss scaling and find_nonfinite see it. `saturate`
     clamps finite values to `dtype`'s range first; only for values with no derivative path
-    (see _Env.saturates), where the clamp costs no residual."""
+    (see _Env._saturate), where the clamp costs no residual."""
     if getattr(x, "dtype", None) == dtype and not weak_type:
         return x
     if saturate and _is_float(dtype) and _is_float(x.dtype) and _max(dtype) < _max(x.dtype):
@@ -386,8 +386,10 @@ def _target_dtype(
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
 
     Returns (None, hold) to leave the operands as they are, ("traced", False) to run the op in
-    the dtypes it was traced with, or (dtype, hold). Held values are f32-list results, or
-    computed only from such results; at O2 they stay float32 until bulk math casts them down.
+    the dtypes it was traced with, or (dtype, hold). `hold` is 0 or the kind of value held in
+    float32: _STAT for f32-list results and what is computed only from them (at O2 they stay
+    float32 until bulk math casts them down), _GUARD for float16 activations leaving a float32
+    region (held for the range; ops that commute with a cast run on them in half).
     """
     fin = [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
     if not fin:
@@ -759,7 +761,7 @@ def _sub_flags(
     return [False] * n, [False] * n, None
 
 
-def _rule_wrapper(ctx: _Context, mode: Any, held: list[int], nout: int) -> Callable[[Any], Any]:
+def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], Any]:
     """Makes a custom-derivative rule (jvp, fwd, bwd) run under the policy, with its traced
     dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
 
@@ -894,7 +896,7 @@ def _eval_eqn(
                 context = jc.shard_map_context(params) if name == "shard_map" else None
                 flags = _sub_flags(eqn, key, static, held, facts, ctx, mode)
                 params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
-            wrap = _rule_wrapper(ctx, mode, held, nout) if name in _CUSTOM_CALLS else None
+            wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
             args = _to_traced(invals, [v.aval for v in eqn.invars])
             out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
             return (list(out) if multiple else [out]), [False] * nout
