@@ -149,6 +149,7 @@ def trajectory(ls, finite):
     return jax.lax.scan(body, ls, finite)[1]
 
 
+@pytest.mark.slow  # 150 scanned state-machine runs: about 40 s on 2 cores
 @settings(max_examples=150, deadline=None)
 @given(
     steps=st.lists(st.booleans(), min_size=70, max_size=150),
@@ -177,6 +178,7 @@ def test_property_dynamic_loss_scale_matches_reference(
     assert bool(jnp.all((scales >= min_scale) & (scales <= max_scale)))
 
 
+@pytest.mark.slow  # 40 compiled train-step runs: about 25 s on 2 cores
 @settings(max_examples=40, deadline=None)
 @given(
     pattern=st.lists(st.sampled_from(["ok", "inf", "nan", "-inf"]), min_size=1, max_size=25),
