@@ -162,7 +162,8 @@ def build(kind: str, size: str) -> tuple[Any, Any, Any]:
     return models.ResNet(widths), x, y
 
 
-def _half(tree: Any, dtype: Any) -> Any:
+def half_tree(tree: Any, dtype: Any) -> Any:
+    """`tree` with its float leaves cast with ``.astype(dtype)``, as a hand-written step does."""
     return jax.tree.map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
     )
@@ -195,7 +196,7 @@ def make(module: Any, variant: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
 
     def loss_fn(p: Any, stats: Any, x: Any) -> Any:
         if hand:  # what a JAX expert writes: params and float inputs cast with .astype
-            p, x = _half(p, half), _half(x, half)
+            p, x = half_tree(p, half), half_tree(x, half)
         if stats is None:
             logits, new_stats = model.apply({"params": p}, x), None
         else:
