@@ -74,7 +74,7 @@ def build(kind: str, variant: str, policy: mpjax.Policy):
     module = cls(dtype=dtype)
     model = mpjax.flax.wrap(module, policy) if variant == "autocast" else module
     variables = model.init(jax.random.key(0), x)
-    tx = optax.chain(mpjax.loss_scale(scale=policy.loss_scale()), optax.adam(1e-3))
+    tx = mpjax.loss_scale(optax.adam(1e-3), scale=policy.loss_scale())
     opt_state = tx.init(variables["params"])
 
     def step(params, opt_state):

@@ -207,7 +207,7 @@ def make(module: Any, variant: Any, x: Any, y: Any) -> tuple[Any, Any, Any]:
         loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
         return loss.mean(), new_stats
 
-    tx = optax.chain(mpjax.loss_scale(scale=scale), optax.adam(1e-3))
+    tx = mpjax.loss_scale(optax.adam(1e-3), scale=scale)
 
     def step(params: Any, stats: Any, opt_state: Any, x: Any) -> Any:
         s = mpjax.get_loss_scale(opt_state)

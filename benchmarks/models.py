@@ -113,7 +113,7 @@ def make_step(kind: str, module, variant, x, y):
     variables = model.init(jax.random.key(0), x)
     params = variables["params"]
     stats = variables.get("batch_stats", {})
-    tx = optax.chain(mpjax.loss_scale(scale=policy.loss_scale()), optax.adam(1e-3))
+    tx = mpjax.loss_scale(optax.adam(1e-3), scale=policy.loss_scale())
 
     def step(params, stats, opt_state):
         scale = mpjax.get_loss_scale(opt_state)

@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
             "b2": jnp.zeros(10),
         }
     )
-    tx = optax.chain(mpjax.loss_scale(scale=policy.loss_scale()), optax.adam(1e-3))
+    tx = mpjax.loss_scale(optax.adam(1e-3), scale=policy.loss_scale())
     opt_state = tx.init(params)
 
     @jax.jit

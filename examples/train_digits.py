@@ -1,8 +1,9 @@
 """Train a small CNN on scikit-learn's bundled digits at O0-O3, in float16 and bfloat16, and FP8.
 
 Each run is the README's train step: a precision policy from ``mpjax.Policy.from_level``, the
-Flax model wrapped by ``mpjax.flax.wrap``, ``optax.chain(mpjax.loss_scale(...),
-optax.sgd(...))`` and ``mpjax.get_loss_scale`` inside ``jax.jit``. The FP8 run (O2 bfloat16
+Flax model wrapped by ``mpjax.flax.wrap``, ``mpjax.loss_scale(optax.sgd(..., momentum=0.9))``
+(the wrap form: a skipped step leaves the momentum untouched) and ``mpjax.get_loss_scale``
+inside ``jax.jit``. The FP8 run (O2 bfloat16
 with FP8 dots, ``mpjax.fp8.policy("O2")``) differentiates through ``mpjax.fp8.value_and_grad``
 and threads its delayed-scaling state through the step; its eligible dot (the 1024x128 Dense:
 sizes that are multiples of 16) runs in FP8, the convolutions and the 10-way output in
@@ -77,7 +78,7 @@ def train(level: str, half: str, epochs: int, batch: int, lr: float, seed: int, 
     policy = mpjax.fp8.policy("O2", half) if fp8 else mpjax.Policy.from_level(level, half)
     base = policy.base if fp8 else policy
     model = mpjax.flax.wrap(CNN(), policy)  # params in param_dtype, ops per the level
-    tx = optax.chain(mpjax.loss_scale(scale=base.loss_scale()), optax.sgd(lr, momentum=0.9))
+    tx = mpjax.loss_scale(optax.sgd(lr, momentum=0.9), scale=base.loss_scale())
     x_train, x_test, y_train, y_test = data
     variables = model.init(jax.random.key(seed), x_train[:1])
     params, stats = variables["params"], variables["batch_stats"]

@@ -27,6 +27,7 @@ from mpjax._src.policy import (
     parse_dtype,
 )
 from mpjax._src.transform import (
+    InexactSkipWarning,
     LossScaleState,
     NonFiniteLeaves,
     all_reduce_gradients,
@@ -63,6 +64,7 @@ __all__ = (
     "StaticLossScale",
     "AuditReport",
     "HardwareWarning",
+    "InexactSkipWarning",
     "all_finite",
     "all_reduce_gradients",
     "audit",

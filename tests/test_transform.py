@@ -1,5 +1,7 @@
 """Tests of loss scaling as an optax transformation: skipping, unscaling, both forms, metrics."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -281,6 +283,79 @@ def test_accumulation_pattern_skips_an_overflowing_microbatch_only(rng):
 
 
 # -- finding the state -------------------------------------------------------------------------
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(0.1),
+    "adamw": lambda: optax.adamw(0.1, weight_decay=0.1),
+    "lion": lambda: optax.lion(0.1),
+    "adafactor": lambda: optax.adafactor(0.1),
+}
+
+
+@pytest.mark.parametrize("multisteps", [False, True], ids=["", "multisteps"])
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clip"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_recommended_form_skips_a_nonfinite_step_bit_identically(name, clip, multisteps):
+    # The form the README recommends for a stateful optimizer: the wrap form, clipping and
+    # MultiSteps inside it. A skipped step leaves params and every inner state leaf as they were.
+    inner = OPTIMIZERS[name]()
+    if clip:
+        inner = optax.chain(optax.clip_by_global_norm(1.0), inner)
+    if multisteps:
+        inner = optax.MultiSteps(inner, every_k_schedule=2)
+    tx = mpjax.loss_scale(inner, scale=mpjax.StaticLossScale(4.0))
+    key = jax.random.key(0)
+    params = {"w": jax.random.normal(key, (4, 3)), "b": jnp.full((3,), 0.5)}
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for i in range(3):  # some real steps first: moments, counts and accumulators are nonzero
+        grads = jax.tree_util.tree_map(lambda p: 4.0 * (p + 0.1 * i), params)
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    bad = {"w": params["w"].at[1, 2].set(jnp.nan), "b": params["b"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.InexactSkipWarning)
+        assert float(mpjax.get_loss_scale(state).loss_scale) == 4.0  # no warning: exact
+    updates, new_state = update(bad, state, params)
+    assert_trees_bit_identical(optax.apply_updates(params, updates), params)
+    assert_trees_bit_identical(new_state.inner_state, state.inner_state)
+    assert int(new_state.skipped_steps) == 1
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_chain_form_with_a_stateful_optimizer_warns_and_names_the_fix(name):
+    tx = optax.chain(mpjax.loss_scale(), optax.clip_by_global_norm(1.0), OPTIMIZERS[name]())
+    state = tx.init({"w": jnp.ones((2, 3))})
+    with pytest.warns(mpjax.InexactSkipWarning, match=r"mpjax\.loss_scale\(optax\.chain"):
+        jax.jit(mpjax.loss_scale_metrics)(state)
+
+
+def test_chain_form_warns_once_per_state_structure():
+    state = optax.chain(mpjax.loss_scale(), optax.sgd(0.1, momentum=0.5)).init({"v": jnp.ones(3)})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            mpjax.get_loss_scale(state)
+    assert [w.category for w in caught] == [mpjax.InexactSkipWarning]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: optax.chain(mpjax.loss_scale(), optax.sgd(0.1)),
+        lambda: optax.chain(mpjax.loss_scale(), optax.clip_by_global_norm(1.0), optax.sgd(0.1)),
+        lambda: optax.chain(optax.trace(0.9), mpjax.loss_scale(), optax.sgd(0.1)),
+        lambda: mpjax.loss_scale(optax.chain(optax.clip(1.0), optax.adamw(1e-3))),
+    ],
+    ids=["sgd", "clip-sgd", "stateful-before", "wrap-adamw"],
+)
+def test_exact_forms_do_not_warn(make):
+    state = make().init({"w": jnp.ones(2)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.InexactSkipWarning)
+        mpjax.loss_scale_metrics(state)
 
 
 @pytest.mark.parametrize(

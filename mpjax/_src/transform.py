@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -154,13 +156,18 @@ def loss_scale(
 
     Two forms:
 
+    * wrap form, ``mpjax.loss_scale(optax.chain(optax.clip_by_global_norm(1.0),
+      optax.adamw(1e-3)))``: the inner optimizer sees unscaled gradients; on a skipped step
+      it is not run, so the params and every leaf of its state stay bit-identical (as
+      ``optax.apply_if_finite``). Exact for any optimizer: use it for anything stateful.
     * chain form, ``optax.chain(mpjax.loss_scale(), optax.sgd(0.1))``: transformations after
-      it see unscaled gradients (clip them there). On a skipped step they see zeros: exact for
-      stateless transforms such as sgd, but a stateful one (adam, momentum) still advances its
-      state with zero gradients, so its params may move. Use the wrap form for those.
-    * wrap form, ``mpjax.loss_scale(optax.adam(1e-3))``: on a skipped step the inner
-      optimizer is not run, its state stays bit-identical, and the updates are zeros (as
-      ``optax.apply_if_finite``).
+      it see unscaled gradients, and zeros on a skipped step. Exact only when they are
+      stateless (sgd without momentum, clipping, a constant learning rate). A stateful one
+      (adam, momentum, a schedule's count) would still advance its state with zero
+      gradients and move the params, so :func:`get_loss_scale` and
+      :func:`loss_scale_metrics` warn (:class:`InexactSkipWarning`, once per state
+      structure) when they find one after ``loss_scale()`` in a chain. optax's chain gives a
+      transformation no way to stop the ones after it, so this form cannot be made exact.
 
     For gradient accumulation wrap ``optax.MultiSteps``: ``mpjax.loss_scale(optax.MultiSteps(
     optax.adam(1e-3), k))`` skips an overflowing microbatch without poisoning the accumulator
@@ -304,6 +311,82 @@ def _find_states(opt_state: Any) -> list[LossScaleState]:
     return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
 
 
+class InexactSkipWarning(UserWarning):
+    """A stateful transformation follows ``mpjax.loss_scale()`` in a chain, so a skipped step
+    still moves its state (and may move the params). Wrap it instead:
+    ``mpjax.loss_scale(optax.chain(...))``.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp, optax, mpjax
+      >>> state = optax.chain(mpjax.loss_scale(), optax.adam(1e-3)).init({"w": jnp.ones(2)})
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = mpjax.get_loss_scale(state)
+      >>> caught[0].category.__name__
+      'InexactSkipWarning'
+    """
+
+
+def _chain_followers(opt_state: Any) -> list[str]:
+    """The stateful transformations that follow a chain-form loss_scale() in a chain: the
+    type names of the states after it (optax.chain's state is a tuple in chain order,
+    named_chain's a dict) that hold any leaf, such as adam's moments or a schedule's count."""
+    found: list[str] = []
+
+    def children(x: Any) -> list[Any]:
+        if isinstance(x, Mapping):
+            return list(x.values())
+        return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+
+    def walk(x: Any) -> None:
+        if isinstance(x, LossScaleState):
+            return
+        kids = children(x)
+        if type(x) in (tuple, list) or isinstance(x, Mapping):
+            for i, kid in enumerate(kids):
+                if isinstance(kid, LossScaleState) and isinstance(kid.inner_state, optax.EmptyState):
+                    after = [k for k in kids[i + 1 :] if jax.tree_util.tree_leaves(k)]
+                    found.extend(_state_name(k) for k in after)
+        for kid in kids:
+            if kid is not x:  # a leaf is its own only child
+                walk(kid)
+
+    walk(opt_state)
+    return found
+
+
+def _state_name(state: Any) -> str:
+    named = [
+        type(s).__name__
+        for s in jax.tree_util.tree_leaves(state, is_leaf=lambda y: hasattr(y, "_fields"))
+        if hasattr(s, "_fields") and jax.tree_util.tree_leaves(s)
+    ]
+    return "/".join(dict.fromkeys(named)) or type(state).__name__
+
+
+_WARNED: set[Any] = set()
+
+
+def _warn_if_inexact(opt_state: Any) -> None:
+    followers = _chain_followers(opt_state)
+    if not followers:
+        return
+    key = jax.tree_util.tree_structure(opt_state)
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"optax.chain(mpjax.loss_scale(), ...) is followed by stateful transformations "
+        f"({', '.join(followers)}): on a skipped (non-finite) step they still advance their "
+        "state with zero gradients, so momentum or Adam moments move the params and schedules "
+        "count the step. Wrap them instead, mpjax.loss_scale(optax.chain(...)) or "
+        "mpjax.loss_scale(optax.adamw(...)): a skipped step then changes no param and no "
+        "optimizer state.",
+        InexactSkipWarning,
+        stacklevel=4,
+    )
+
+
 def _the_state(opt_state: Any, caller: str) -> LossScaleState:
     found = _find_states(opt_state)
     if not found:
@@ -317,6 +400,7 @@ def _the_state(opt_state: Any, caller: str) -> LossScaleState:
             f"{caller}: opt_state holds {len(found)} mpjax.loss_scale() states; use one "
             "loss_scale() per optimizer (or pass the sub-state you mean)."
         )
+    _warn_if_inexact(opt_state)
     return found[0]
 
 
