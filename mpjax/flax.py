@@ -65,8 +65,13 @@ class _Resolver:
         self.path_rules: list[tuple[str, str]] = []
         self.markers: dict[str, Policy] = {}
         self._by_class: dict[type, str | None] = {}
+        self.keys: list[RuleKey] = list(rules or {})
+        self.seen: dict[str, type] = {}  # module path -> class, of the modules seen so far
         for key, value in (rules or {}).items():
-            rule_policy = _rule_policy(value, policy)
+            try:
+                rule_policy = _rule_policy(value, policy)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"rules[{_key_name(key)}]: {e}") from None
             marker = region_key(rule_policy)
             self.markers[marker] = rule_policy
             if isinstance(key, type):
@@ -82,6 +87,43 @@ class _Resolver:
             for norm in norms:
                 if not any(issubclass(norm, c) for c in covered):
                     self.class_rules.append((norm, F32_REGION))
+
+    def check_keys(self, model: str) -> None:
+        """Raises ValueError naming each rule key that matches none of the modules seen."""
+        problems = [self._unmatched(k) for k in self.keys if not self._matches(k)]
+        if problems:
+            raise ValueError(
+                f"rules for {model}: {'; '.join(problems)}. A rule that matches nothing would "
+                "leave those layers in the base policy without a word, so mpjax refuses it. "
+                "Path keys are '/'-joined module names as Flax names them ('Dense_0', "
+                "'encoder/*'); class keys match instances and subclasses."
+            )
+
+    def _matches(self, key: RuleKey) -> bool:
+        if isinstance(key, type):
+            return any(issubclass(c, key) for c in self.seen.values())
+        return any(
+            fnmatch.fnmatchcase(p, key) or fnmatch.fnmatchcase(p + "/", key) for p in self.seen
+        )
+
+    def _unmatched(self, key: RuleKey) -> str:
+        import difflib  # only on the error path
+
+        if isinstance(key, type):
+            classes = sorted({c.__name__ for c in self.seen.values()})
+            return (
+                f"class key {key.__name__} matches no module (the classes are "
+                f"{', '.join(classes)})"
+            )
+        paths = sorted(p for p in self.seen if p)
+        lower = {p.lower(): p for p in paths}
+        close = [lower[m] for m in difflib.get_close_matches(key.lower(), list(lower), n=3)]
+        names = {c.__name__: c for c in self.seen.values()}
+        hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
+        if key in names:
+            hint += f"; {key!r} is a class name: use the class itself, {{{key}: ...}}"
+        shown = ", ".join(map(repr, paths[:12])) + (", ..." if len(paths) > 12 else "")
+        return f"path key {key!r} matches no module path (the paths are {shown}){hint}"
 
     def marker(self, module: Any, path: str) -> str | None:
         marker = self.path_marker(path)
@@ -113,6 +155,10 @@ class _Resolver:
             matches = [(mro.index(c), marker) for c, marker in self.class_rules if c in mro]
             self._by_class[cls] = min(matches)[1] if matches else None
         return self._by_class[cls]
+
+
+def _key_name(key: Any) -> str:
+    return key.__name__ if isinstance(key, type) else repr(key)
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
@@ -158,15 +204,29 @@ class LinenWrapped:
 
     def _intercept(self, next_fun: Callable, args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
-        marker = self._resolver.marker(module, "/".join(str(p) for p in module.path))
+        path = "/".join(str(p) for p in module.path)
+        self._resolver.seen.setdefault(path, type(module))
+        marker = self._resolver.marker(module, path)
         if marker is None:
             return next_fun(*args, **kwargs)
         with self._resolver.region(marker):
             return next_fun(*args, **kwargs)
 
-    def init(self, rngs: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Like ``module.init``; params come back in ``policy.param_dtype``, stats in float32."""
-        return _cast_variables(self.module.init(rngs, *args, **kwargs), self.policy)
+    def _check_rules(self, method: Any) -> None:
+        # Against the modules a full call ran (another method may use only some of them).
+        if method is None and self._resolver.seen:
+            self._resolver.check_keys(type(self.module).__name__)
+
+    def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> dict[str, Any]:
+        """Like ``module.init``; params come back in ``policy.param_dtype``, stats in float32.
+
+        Raises:
+          ValueError: if a key of ``rules`` matches none of the modules the call ran.
+        """
+        with nn.intercept_methods(self._intercept):
+            variables = self.module.init(rngs, *args, method=method, **kwargs)
+        self._check_rules(method)
+        return _cast_variables(variables, self.policy)
 
     def apply(
         self,
@@ -191,6 +251,7 @@ class LinenWrapped:
         out = autocast(run, self.policy, rules=self._resolver.markers, cast_outputs=False)(
             variables, rngs, args, kwargs
         )
+        self._check_rules(method)
         if mutable is False:
             return self.policy.cast_to_output(out)
         out, state = out
@@ -219,6 +280,9 @@ class NNXWrapped(nnx.Module):
         self.inner = module
         self.policy = policy
         self._resolver = _Resolver(policy, rules, _NNX_NORMS)
+        for path, sub in _iter_modules(module):
+            self._resolver.seen.setdefault("/".join(str(p) for p in path), type(sub))
+        self._resolver.check_keys(type(module).__name__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graphdef, state = nnx.split(self.inner)
@@ -351,6 +415,19 @@ def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) ->
         raise TypeError(
             f"wrap needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
             "mpjax.Policy.from_level('O2')."
+        )
+    if isinstance(module, (LinenWrapped, NNXWrapped)):
+        inner = module.module if isinstance(module, LinenWrapped) else module.inner
+        raise TypeError(
+            f"This {type(inner).__name__} is already wrapped by mpjax.flax.wrap; wrap the bare "
+            f"module once, mpjax.flax.wrap({type(inner).__name__}(...), policy), with every "
+            "rule in that one call's rules=."
+        )
+    if isinstance(module, type) and issubclass(module, (nn.Module, nnx.Module)):
+        raise TypeError(
+            f"wrap takes a module instance, got the class {module.__name__}; pass "
+            f"{module.__name__}(...) (for NNX with its rngs), e.g. "
+            f"mpjax.flax.wrap({module.__name__}(), policy)."
         )
     hardware.warn_if_slow(policy)  # here, so the warning points at the caller's wrap()
     if isinstance(module, nn.Module):

@@ -194,6 +194,28 @@ def test_o1_bias_add_is_part_of_the_matmul(layer, rng):
     np.testing.assert_allclose(f(w, b, x), fn(w, b, x), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("half", list(HALF))
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_float32_preferred_element_type_on_half_operands_is_kept(level, half, rng):
+    # Half inputs, float32 accumulation and result: the precise, fast matmul (flax#4890).
+    h = HALF[half]
+    dims = (((1,), (0,)), ((), ()))
+
+    def f(x, w):
+        y = lax.dot_general(x.astype(h), w.astype(h), dims, preferred_element_type=jnp.float32)
+        return y * 3.0
+
+    x = jnp.asarray(rng.normal(size=(8, 64)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 16)), jnp.float32)
+    g = mpjax.autocast(f, mpjax.Policy.from_level(level, half), cast_outputs=False)
+    (dot,) = eqns(jax.make_jaxpr(g)(x, w).jaxpr, "dot_general")
+    assert [np.dtype(v.aval.dtype) for v in dot.invars] == [h, h]
+    assert np.dtype(dot.outvars[0].aval.dtype) == F32
+    assert g(x, w).dtype == F32
+    # Exactly the hand-written result: half products, float32 sums.
+    np.testing.assert_array_equal(np.asarray(g(x, w)), np.asarray(f(x, w)))
+
+
 def test_o2_keeps_what_f32_ops_produce_in_float32(rng):
     f = mpjax.autocast(
         lambda w, x: jax.scipy.special.logsumexp(x @ w), mpjax.Policy.from_level("O2", "bfloat16")

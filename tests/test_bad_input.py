@@ -70,7 +70,22 @@ ERRORS = [
     (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules="O2"), TypeError, "rules must be a dict"),
     (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules={nn.Dense: jnp.float16}), TypeError, "Policy or a level"),
     (lambda: mpjax.flax.wrap(object(), O1), TypeError, "linen.Module or a flax.nnx.Module"),
+    (lambda: mpjax.Policy.from_level("O1", lower_ops={"matmul"}), ValueError, "'matmul' is not a primitive; JAX binds 'dot_general'"),
+    (lambda: mpjax.Policy.from_level("O1", f32_ops={"softmax"}), ValueError, "JAX binds 'exp', 'reduce_sum'"),
+    (lambda: mpjax.Policy.from_level("O1", f32_ops={"rsqr"}), ValueError, "did you mean 'rsqrt'"),
+    (lambda: mpjax.autocast(nn.Dense(2), O1), TypeError, "wrap modules with mpjax.flax.wrap"),
+    (lambda: mpjax.autocast(jnp.tanh, _fp8_policy()), TypeError, "runs through mpjax.fp8"),
+    (lambda: mpjax.flax.wrap(mpjax.flax.wrap(nn.Dense(2), O1), O1), TypeError, "already wrapped by mpjax.flax.wrap"),
+    (lambda: mpjax.flax.wrap(nn.Dense, O1), TypeError, "got the class Dense; pass Dense(...)"),
+    (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules={"Dense_0": "O5"}), ValueError, "rules['Dense_0']: Unknown level 'O5'"),
+    (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules={nn.Dense: "fast"}), ValueError, "rules[Dense]: Unknown level 'fast'"),
 ]  # fmt: skip
+
+
+def _fp8_policy():
+    import mpjax.fp8
+
+    return mpjax.fp8.policy("O2")
 
 
 @pytest.mark.parametrize("call, error, words", ERRORS, ids=[e[2][:40] for e in ERRORS])

@@ -383,3 +383,60 @@ def test_wrap_bad_input():
         mpjax.flax.wrap(nn.Dense(3), policy, rules={nn.Dense: 3})
     with pytest.raises(ValueError, match="Unknown level"):
         mpjax.flax.wrap(nn.Dense(3), policy, rules={nn.Dense: "O5"})
+
+
+class TwoDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2)(nn.relu(nn.Dense(4)(x)))
+
+
+@pytest.mark.parametrize(
+    "rules, words",
+    [
+        ({"dense_0": "O0"}, "path key 'dense_0' matches no module path.*closest paths: 'Dense_0'"),
+        ({"Dense": "O0"}, "'Dense' is a class name: use the class itself"),
+        ({nn.BatchNorm: "O0"}, "class key BatchNorm matches no module.*Dense, TwoDense"),
+        ({"Dense_0": "O0", "decoder/*": "O0"}, "path key 'decoder/\\*' matches no module"),
+    ],
+)
+def test_linen_rule_that_matches_no_module_is_an_error(rules, words):
+    model = mpjax.flax.wrap(TwoDense(), mpjax.Policy.from_level("O2", "float16"), rules=rules)
+    with pytest.raises(ValueError, match=words):
+        model.init(jax.random.key(0), jnp.ones((1, 3)))
+
+
+def test_linen_rule_check_also_runs_on_apply_of_restored_params():
+    variables = TwoDense().init(jax.random.key(0), jnp.ones((1, 3)))  # e.g. from a checkpoint
+    policy = mpjax.Policy.from_level("O2", "float16")
+    model = mpjax.flax.wrap(TwoDense(), policy, rules={"Dense_2": "O0"})
+    with pytest.raises(ValueError, match="'Dense_2' matches no module path"):
+        model.apply(variables, jnp.ones((1, 3)))
+    ok = mpjax.flax.wrap(TwoDense(), policy, rules={"Dense_1": "O0", nn.Dense: "O2"})
+    assert ok.apply(variables, jnp.ones((1, 3))).shape == (1, 2)
+
+
+def test_nnx_rule_that_matches_no_module_is_an_error_at_wrap():
+    policy = mpjax.Policy.from_level("O2", "float16")
+    with pytest.raises(ValueError, match="path key 'L2' matches no module path.*closest.*'l2'"):
+        mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), policy, rules={"L2": "O0"})
+    with pytest.raises(ValueError, match="class key Conv matches no module"):
+        mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), policy, rules={nnx.Conv: "O0"})
+
+
+def test_explicit_module_dtype_is_honoured_under_a_policy_of_the_other_half(rng):
+    # Dense_0 asks for bfloat16 itself; the policy is float16: the module's choice stands
+    # (Keras honours a layer's dtype policy), the other layer follows the policy.
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8, dtype=jnp.bfloat16, name="mine")(x)
+            return nn.Dense(4, name="policy")(nn.relu(h))
+
+    x = jnp.asarray(rng.normal(size=(4, 6)), jnp.float32)
+    model = mpjax.flax.wrap(Net(), mpjax.Policy.from_level("O2", "float16"))
+    variables = model.init(jax.random.key(0), x)
+    dots = in_dtypes(model.apply, variables, x, name="dot_general")
+    assert dots == [(HALF["bfloat16"],) * 2, (HALF["float16"],) * 2]
+    ref = Net().apply(variables, x)  # unwrapped: "mine" in bfloat16, the rest in float32
+    assert rel_err(model.apply(variables, x), ref) < 1e-2

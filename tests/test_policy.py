@@ -1,5 +1,6 @@
 """Tests of Policy, the O0-O3 levels, jmp's policy grammar and the cast helpers."""
 
+import warnings
 import pathlib
 import re
 import subprocess
@@ -399,3 +400,23 @@ def test_cast_to_full_and_half_match_jmp(rng):
         for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
             assert np.asarray(x).dtype == np.asarray(y).dtype
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_get_policy_maps_keras_mixed_precision_names():
+    for name, half in [("mixed_float16", "float16"), ("Mixed_BFloat16", "bfloat16")]:
+        assert mpjax.get_policy(name) == mpjax.Policy.from_level("O2", half)
+
+
+def test_loss_scaling_asked_for_with_bfloat16_warns_once(monkeypatch):
+    from mpjax._src import policy as policy_lib
+
+    monkeypatch.setattr(policy_lib, "_warned_bfloat16_scaling", False)
+    with pytest.warns(UserWarning, match="bfloat16 has float32's exponent range") as record:
+        mpjax.Policy.from_level("O2", "bfloat16", loss_scale="dynamic")
+        mpjax.Policy.from_level("O1", "bfloat16", loss_scale=1024.0)
+    assert len([w for w in record if "exponent range" in str(w.message)]) == 1
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mpjax.Policy.from_level("O2", "float16", loss_scale="dynamic")
+        mpjax.Policy.from_level("O2", "bfloat16")

@@ -468,6 +468,9 @@ def _target_dtype(
                 target, hold = full, min(kinds) if all(kinds) else False
             else:
                 target, hold = policy.compute_dtype, False
+    explicit = _explicit_half(eqn, fin, policy)
+    if explicit is not None and np.dtype(target).itemsize < 4:
+        target = explicit
     if np.dtype(target).itemsize < 4:
         bad = [k for k in known if k is not None and _changes_meaning(k, target)]
         if bad and name in _FILL_OPS and not any(_underflows(k, target) for k in bad):
@@ -479,12 +482,34 @@ def _target_dtype(
     return target, hold
 
 
-def _fix_params(params: dict[str, Any], target: Any) -> dict[str, Any]:
-    """A matmul's output dtype follows its (cast) operands."""
+def _explicit_half(eqn: Any, fin: list[int], policy: Policy) -> np.dtype | None:
+    """The half dtype the program itself chose for this op, when it is not the policy's: every
+    float operand (literals aside) was traced in it, as in a Flax module built with
+    ``dtype=jnp.bfloat16`` under a float16 policy. Such a choice is honoured, as Keras honours
+    a layer's own dtype policy (torch.amp overrides it)."""
+    traced = {
+        np.dtype(eqn.invars[i].aval.dtype) for i in fin if not isinstance(eqn.invars[i], jc.Literal)
+    }
+    if len(traced) != 1:
+        return None
+    (dtype,) = traced
+    if dtype.itemsize == 2 and dtype != policy.compute_dtype:
+        return dtype
+    return None
+
+
+def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
+    """A matmul's output dtype follows its (cast) operands, unless the program asked for a
+    result wider than every operand it traced (``preferred_element_type=jnp.float32`` on half
+    operands: half inputs, float32 accumulation and result), which is kept."""
+    params = eqn.params
     pref = params.get("preferred_element_type")
-    if pref is not None and _is_float(pref) and target is not None:
-        params = {**params, "preferred_element_type": np.dtype(target)}
-    return params
+    if pref is None or not _is_float(pref) or target is None:
+        return params
+    widths = [np.dtype(v.aval.dtype).itemsize for v in eqn.invars if _is_float(v.aval.dtype)]
+    if widths and np.dtype(pref).itemsize > max(widths):
+        return params
+    return {**params, "preferred_element_type": np.dtype(target)}
 
 
 # -- machinery: evaluate a jaxpr, rebuilding higher-order primitives ------------------------------
@@ -956,8 +981,11 @@ def _eval_eqn(
             else raw
             for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
         ]
-        out = jc.bind(eqn.primitive, cast_vals, _fix_params(eqn.params, target))
-        if name in _op_lists(mode)[0]:
+        params = _fix_params(eqn, target)
+        out = jc.bind(eqn.primitive, cast_vals, params)
+        if params.get("preferred_element_type") not in (None, np.dtype(target)):
+            hold = _STAT  # a float32 result the program asked for stays float32, as a statistic
+        elif name in _op_lists(mode)[0]:
             env.lowered.update(eqn.outvars)
     if name == "broadcast_in_dim" and _size(eqn.outvars[0]) > _size(eqn.invars[0]):
         env.spread.update(eqn.outvars)
@@ -1049,6 +1077,13 @@ def autocast(
       >>> "bf16" in str(jax.make_jaxpr(f)(jnp.ones((3, 4)), jnp.ones((2, 3))))
       True
     """
+    if type(policy).__name__ == "FP8Policy":
+        raise TypeError(
+            "autocast takes an mpjax.Policy; an FP8 policy runs through mpjax.fp8: "
+            "mpjax.fp8.init(loss_fn, policy, *args) for its state, then "
+            "mpjax.fp8.value_and_grad(loss_fn, policy) to train or mpjax.fp8.apply(fn, policy) "
+            "to evaluate (or mpjax.autocast(fn, policy.base) for its half policy alone)."
+        )
     if not isinstance(policy, Policy):
         raise TypeError(
             f"autocast needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
@@ -1056,6 +1091,14 @@ def autocast(
         )
     if not callable(fn):
         raise TypeError(f"autocast needs a function, got {type(fn).__name__}.")
+    module_kind = _flax_module_kind(fn)
+    if module_kind is not None:
+        raise TypeError(
+            f"autocast takes a function, got the Flax {module_kind} module "
+            f"{type(fn).__name__}; wrap modules with mpjax.flax.wrap(module, policy), which "
+            "also stores params in the policy's dtype and applies per-module rules (or "
+            "autocast its apply function: mpjax.autocast(module.apply, policy))."
+        )
     if policy.level == "O0" and not rules:
         return fn
     hardware.warn_if_slow(policy)
@@ -1084,6 +1127,16 @@ def autocast(
 
 
 _CACHE_SIZE = 64
+
+
+def _flax_module_kind(fn: Any) -> str | None:
+    """'linen' or 'NNX' when `fn` is a Flax module (without importing Flax otherwise)."""
+    for cls in type(fn).__mro__:
+        if cls.__name__ == "Module" and cls.__module__.startswith("flax.linen"):
+            return "linen"
+        if cls.__name__ == "Module" and cls.__module__.startswith("flax.nnx"):
+            return "NNX"
+    return None
 
 
 def _signature(treedef: Any, leaves: list[Any], dynamic: list[int]) -> Any:

@@ -77,11 +77,54 @@ def check_op_names(names: Iterable[str], arg_name: str) -> frozenset[str]:
     result = frozenset(names)
     unknown = sorted(n for n in result if n not in KNOWN_OPS)
     if unknown:
+        hints = "; ".join(_hint(n) for n in unknown)
         raise ValueError(
-            f"Unknown op name(s) {unknown} in {arg_name}. Use JAX primitive names "
-            f"(as in jax.make_jaxpr output); valid names are: {', '.join(sorted(KNOWN_OPS))}."
+            f"Unknown op name(s) {unknown} in {arg_name}: {hints}. Ops are named as JAX "
+            "primitives, as jax.make_jaxpr prints them (mpjax.LOWER_OPS and mpjax.F32_OPS "
+            "hold the defaults)."
         )
     return result
+
+
+# What users of torch.amp, Paddle and jnp write for an op, and the primitives JAX binds for it.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("matmul", "mm", "bmm", "linear", "einsum", "dot", "tensordot", "addmm", "baddbmm",
+         "mul_mat", "dense"),
+        ("dot_general",),
+    ),
+    **dict.fromkeys(
+        ("conv", "conv1d", "conv2d", "conv3d", "conv_transpose", "convolution", "conv2d_transpose"),
+        ("conv_general_dilated",),
+    ),
+    "softmax": ("exp", "reduce_sum"),
+    **dict.fromkeys(
+        ("log_softmax", "logsumexp", "cross_entropy", "softmax_cross_entropy"),
+        ("exp", "reduce_sum", "log"),
+    ),
+    **dict.fromkeys(
+        ("layer_norm", "layernorm", "batch_norm", "batchnorm", "group_norm", "rms_norm", "norm"),
+        ("rsqrt", "reduce_sum"),
+    ),
+    **dict.fromkeys(("sum", "mean", "var", "std", "mse_loss"), ("reduce_sum",)),
+    **dict.fromkeys(("sigmoid", "silu", "swish"), ("logistic",)),
+    **dict.fromkeys(("where", "select"), ("select_n",)),
+    **dict.fromkeys(("power", "pow_", "float_power"), ("pow", "integer_pow")),
+    "relu": ("max",),
+    "gelu": ("tanh", "erf"),
+}  # fmt: skip
+
+
+def _hint(name: str) -> str:
+    import difflib  # only on the error path
+
+    if name.lower() in _ALIASES:
+        prims = _ALIASES[name.lower()]
+        return f"{name!r} is not a primitive; JAX binds {', '.join(map(repr, prims))} for it"
+    close = difflib.get_close_matches(name, sorted(KNOWN_OPS), n=3, cutoff=0.6)
+    if close:
+        return f"for {name!r}, did you mean {' or '.join(map(repr, close))}"
+    return f"{name!r} is not a primitive mpjax knows"
 
 
 def check_disjoint(lower_ops: frozenset[str], f32_ops: frozenset[str]) -> None:

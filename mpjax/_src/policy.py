@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import warnings
 from typing import Any, TypeVar
 
 import jax
@@ -46,6 +48,8 @@ _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
 }
 _NAME_TO_DTYPE = {name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names}
 _HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+# Keras's dtype policy names (keras.mixed_precision.set_global_policy).
+_KERAS_NAMES = {"MIXED_FLOAT16": np.dtype(jnp.float16), "MIXED_BFLOAT16": np.dtype(jnp.bfloat16)}
 
 
 @functools.cache
@@ -169,6 +173,29 @@ def _check_level(level: str) -> str:
     )
 
 
+_warned_bfloat16_scaling = False
+
+
+def _warn_bfloat16_scaling(kind: Any) -> None:
+    global _warned_bfloat16_scaling
+    if _warned_bfloat16_scaling:
+        return
+    _warned_bfloat16_scaling = True
+    # The first frame outside mpjax: Policy(...) and from_level reach here at different depths.
+    frame, level = sys._getframe(1), 2  # stacklevel 2 is our caller
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("mpjax."):
+        frame, level = frame.f_back, level + 1
+    what = "dynamic scaling" if kind == "dynamic" else f"a static scale of {kind}"
+    warnings.warn(
+        f"mpjax: loss_scale={kind!r} with bfloat16 compute: bfloat16 has float32's exponent "
+        f"range, so its gradients do not underflow and need no loss scaling; {what} "
+        "only adds work (and skipped steps). Leave loss_scale unset (no scaling for bfloat16) "
+        "unless you mean it.",
+        UserWarning,
+        stacklevel=level,
+    )
+
+
 def check_loss_scaling(value: Any) -> str | float:
     """Validates a policy's loss-scaling choice: 'dynamic', 'none' or a positive float."""
     if isinstance(value, str):
@@ -229,6 +256,8 @@ class Policy:
         ops.check_disjoint(self.lower_ops, self.f32_ops)
         if self.loss_scaling is not None:
             object.__setattr__(self, "loss_scaling", check_loss_scaling(self.loss_scaling))
+        if self.loss_scaling not in (None, "none") and self.compute_dtype == jnp.bfloat16:
+            _warn_bfloat16_scaling(self.loss_scaling)
 
     # -- jmp's API ---------------------------------------------------------------------------
 
@@ -421,7 +450,8 @@ def get_policy(policy_name: str) -> Policy:
     float16 params and bfloat16 compute and output; a bare dtype (``"half"``) sets all three.
     Keys are ``p``/``params``, ``c``/``compute``, ``o``/``output``; unspecified params are
     float32, compute follows params and output follows compute. Unlike jmp, spaces around
-    ``,`` and ``=`` are allowed.
+    ``,`` and ``=`` are allowed. Keras's ``"mixed_float16"`` and ``"mixed_bfloat16"`` give
+    level O2 in that half dtype (float32 variables, half compute, float32 norms and output).
 
     Args:
       policy_name: the spec string.
@@ -439,6 +469,8 @@ def get_policy(policy_name: str) -> Policy:
       'p=full,c=bf16,o=bf16'
       >>> mpjax.get_policy("auto").level
       'O1'
+      >>> mpjax.get_policy("mixed_bfloat16").level, str(mpjax.get_policy("mixed_bfloat16"))
+      ('O2', 'p=full,c=bf16,o=full')
     """
     if not isinstance(policy_name, str):
         raise TypeError(
@@ -448,6 +480,11 @@ def get_policy(policy_name: str) -> Policy:
     key = policy_name.strip().upper()
     if key in _LEVEL_KEYS or key in _UNMAPPED_LEVELS:
         return Policy.from_level(policy_name)
+    if key in _KERAS_NAMES:
+        # Keras's mixed policies: float32 variables cast to half per layer, every layer in
+        # half but its normalizations (which upcast), the model's output cast to float32 as
+        # its guide says, and a LossScaleOptimizer for float16. That is O2.
+        return Policy.from_level("O2", _KERAS_NAMES[key])
     param_dtype: np.dtype = np.dtype(np.float32)
     compute_dtype = output_dtype = None
     if "=" in policy_name:
