@@ -112,8 +112,7 @@ class _Resolver:
         if isinstance(key, type):
             classes = sorted({c.__name__ for c in self.seen.values()})
             return (
-                f"class key {key.__name__} matches no module (the classes are "
-                f"{', '.join(classes)})"
+                f"class key {key.__name__} matches no module (the classes are {', '.join(classes)})"
             )
         paths = sorted(p for p in self.seen if p)
         lower = {p.lower(): p for p in paths}

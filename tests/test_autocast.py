@@ -375,6 +375,33 @@ def test_custom_jvp_and_custom_vjp_rules_are_kept():
     assert in_dtypes(mpjax.autocast(f, policy), x, name="dot_general") == [(HALF["float16"],) * 2]
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_custom_jvp_rules_with_symbolic_zeros_in_and_out(level):
+    # equinox's filter_custom_jvp (diffrax, optimistix, lineax) passes symbolic zeros into
+    # the rule and returns them for outputs with no tangent.
+    from jax.custom_derivatives import SymbolicZero, zero_from_primal
+
+    @jax.custom_jvp
+    def f(w, s):
+        return jnp.tanh(w @ w.T) * s, s
+
+    def f_jvp(primals, tangents):
+        (w, s), (tw, ts) = primals, tangents
+        assert isinstance(ts, SymbolicZero)  # s is not differentiated
+        out, s_out = f(w, s)
+        dt = (1 - jnp.tanh(w @ w.T) ** 2) * (tw @ w.T + w @ tw.T) * s
+        return (out, s_out), (dt, zero_from_primal(s_out, symbolic_zeros=True))
+
+    f.defjvp(f_jvp, symbolic_zeros=True)
+    loss = lambda w, s: jnp.sum(f(w, s)[0])
+    w, s = jnp.linspace(-1, 1, 12).reshape(3, 4), jnp.float32(2.0)
+    policy = mpjax.Policy.from_level(level, "float16")
+    got = jax.grad(mpjax.autocast(loss, policy))(w, s)
+    want = jax.grad(loss)(w, s)
+    assert got.dtype == F32
+    assert rel_err(got, want) < RTOL["float16"]
+
+
 def test_integers_bools_and_keys_are_never_cast():
     def f(key, idx, mask, x):
         noise = jax.random.normal(key, x.shape)
@@ -420,7 +447,7 @@ def test_bad_input():
 
 @pytest.mark.skipif(
     not hasattr(jax, "shard_map"),
-    reason="shard_map bodies are rebuilt from JAX 0.7 (jax.shard_map)",
+    reason="shard_map bodies are rebuilt from JAX 0.6.1 (jax.shard_map)",
 )
 def test_recurses_into_shard_map_and_keeps_collectives_in_their_traced_dtype():
     from jax.sharding import Mesh, PartitionSpec

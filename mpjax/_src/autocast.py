@@ -792,10 +792,16 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
 
     def wrap(rule: Any) -> Any:
         def run(*args: Any) -> Any:
+            # Symbolic zeros (custom_jvp(symbolic_zeros=True), custom_vjp's fwd, equinox's
+            # filter_custom_jvp/vjp, diffrax's adjoints) pass through as static values, in and
+            # out; only arrays are traced and evaluated under the policy.
             dynamic = _dynamic(args)
+            passed: list[Any] = []
 
             def flat(*dyn: Any) -> Any:
-                return rule.call_wrapped(*_fill(args, dynamic, dyn))
+                outs = list(rule.call_wrapped(*_fill(args, dynamic, dyn)))
+                passed[:] = outs
+                return [o for o in outs if _is_value(o)]
 
             closed = jc.trace(flat, [jc.aval_of(args[i]) for i in dynamic])
             n, nin = len(dynamic), len(held)
@@ -813,7 +819,8 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
                 in_static=[False] * n,
                 in_held=in_held,
             )
-            return _to_traced(outs, closed.out_avals)
+            values = iter(_to_traced(outs, closed.out_avals))
+            return [next(values) if _is_value(o) else o for o in passed]
 
         return jc.wrap_fun(rule, run)
 
@@ -990,6 +997,11 @@ def _eval_eqn(
     if name == "broadcast_in_dim" and _size(eqn.outvars[0]) > _size(eqn.invars[0]):
         env.spread.update(eqn.outvars)
     return (list(out) if multiple else [out]), [hold] * nout
+
+
+def _is_value(x: Any) -> bool:
+    """Whether a rule's output is a value to trace (not a symbolic zero or None)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
 
 
 def _is_dynamic(x: Any) -> bool:

@@ -344,7 +344,9 @@ def _chain_followers(opt_state: Any) -> list[str]:
         kids = children(x)
         if type(x) in (tuple, list) or isinstance(x, Mapping):
             for i, kid in enumerate(kids):
-                if isinstance(kid, LossScaleState) and isinstance(kid.inner_state, optax.EmptyState):
+                if isinstance(kid, LossScaleState) and isinstance(
+                    kid.inner_state, optax.EmptyState
+                ):
                     after = [k for k in kids[i + 1 :] if jax.tree_util.tree_leaves(k)]
                     found.extend(_state_name(k) for k in after)
         for kid in kids:
