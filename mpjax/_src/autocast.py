@@ -60,7 +60,7 @@ _PASS_OPS = frozenset(
 # broadcasting a float32 bias is a float32 sum of the half cotangent, not a half sum.
 SHAPE_OPS = frozenset(
     {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
-     "dynamic_slice", "gather", "copy", "copy_p"}
+     "dynamic_slice", "gather", "copy", "copy_p", "tile", "unstack"}
 )  # fmt: skip
 # Elementwise ops that broadcast size-1 dimensions implicitly.
 _ELEMENTWISE = frozenset(
@@ -81,6 +81,10 @@ _GUARD, _STAT = 1, 2
 _CAST_COMMUTES = frozenset({"max", "min", "abs", "neg", "select_n", "clamp", "sign"})
 # Ops for which a constant operand is a fill or a bound: one beyond the half's range saturates.
 _FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
+# Scatters carry their combiner as a jaxpr param; they follow the policy like other ops.
+_SCATTERS = frozenset(
+    {"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"}
+)
 # Custom-derivative calls: their rules (jvp, fwd, bwd) run under the policy too.
 _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
@@ -330,8 +334,9 @@ def _operand_flags(
             for b in eqn.params["branches"]
         ]
         return [_NONE] + [(any(bf[i][0] for bf in branch_flags), False) for i in range(n - 1)]
-    if name in _SUBJAXPR_PARAMS or any(
-        isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values()
+    if name in _SUBJAXPR_PARAMS or (
+        name not in _SCATTERS
+        and any(isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values())
     ):
         return [_NONE] * n
     if name in _DECISION_OPS or not any(_is_float(v.aval.dtype) for v in eqn.outvars):
@@ -498,11 +503,24 @@ def _explicit_half(eqn: Any, fin: list[int], policy: Policy) -> np.dtype | None:
     return None
 
 
+def _scatter_update(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
+    """A scatter's combiner (``update_jaxpr``: add, mul, min or max of two scalars) traced at
+    `dtype`, which its lowering requires to match the operands'."""
+    closed = jc.ClosedJaxpr(params["update_jaxpr"], list(params.get("update_consts", ())))
+    if all(np.dtype(v.aval.dtype) == dtype for v in closed.jaxpr.invars):
+        return {}
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    rebuilt = jc.trace(jc.jaxpr_as_fun(closed), [jc.aval_of(scalar)] * len(closed.jaxpr.invars))
+    return {"update_jaxpr": rebuilt.jaxpr, "update_consts": tuple(rebuilt.consts)}
+
+
 def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
     """A matmul's output dtype follows its (cast) operands, unless the program asked for a
     result wider than every operand it traced (``preferred_element_type=jnp.float32`` on half
     operands: half inputs, float32 accumulation and result), which is kept."""
     params = eqn.params
+    if params.get("update_jaxpr") is not None and target is not None:
+        return {**params, **_scatter_update(params, np.dtype(target))}
     pref = params.get("preferred_element_type")
     if pref is None or not _is_float(pref) or target is None:
         return params
@@ -543,16 +561,22 @@ class _Env:
     def known_value(self, v: Any) -> Any:
         return jc.literal_array(v) if isinstance(v, jc.Literal) else self.known.get(v)
 
-    def cast(self, v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...]) -> Any:
+    def cast(
+        self, v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...], wide_sums: bool = False
+    ) -> Any:
         if isinstance(v, jc.Literal):
             return _cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
-        if x.dtype == dtype:
+        grows = x.ndim == len(shape) and x.shape != shape and np.dtype(dtype).itemsize < 4
+        if x.dtype == dtype and not (grows and wide_sums):
             return x
         key = (v, np.dtype(dtype), shape)
         if key not in self.casts:
-            if x.ndim == len(shape) and x.shape != shape and np.dtype(dtype).itemsize < 4:
+            if grows:
                 # Broadcast in float32 before casting down: the transpose is then a float32
-                # sum (a bias gradient), not a half one.
+                # sum (a bias gradient), not a half one. A half value goes up and back down
+                # for it (at O1/O2): XLA fuses the converts, and no float32 copy is made.
+                if x.dtype == dtype:
+                    x = jc.convert(x, np.float32)
                 x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
             self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
@@ -937,7 +961,9 @@ def _eval_eqn(
                 return _eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
             out = _bind_untouched(eqn, invals)
             return (list(out) if multiple else [out]), [False] * nout
-    if any(isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values()):
+    if name not in _SCATTERS and any(
+        isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values()
+    ):
         out = _bind_untouched(eqn, invals)  # a higher-order primitive we do not know
         return (list(out) if multiple else [out]), [False] * nout
 
@@ -968,7 +994,14 @@ def _eval_eqn(
         name == "convert_element_type" and not _is_float(eqn.invars[0].aval.dtype)
     ):
         env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
-    if target is None:
+    wide_sums = isinstance(mode, Policy) and mode.level in ("O1", "O2") and mode.half
+    if target is None and wide_sums and _grows_half(eqn, invals):
+        # A broadcast that grows a half value: its transpose sums the cotangent over the new
+        # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
+        # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
+        x = jc.convert(invals[0], np.float32)
+        out = jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
+    elif target is None:
         out = jc.bind(eqn.primitive, invals, eqn.params)
     elif target == "untouched":
         out = _bind_untouched(eqn, invals)
@@ -983,7 +1016,9 @@ def _eval_eqn(
     else:
         out_shape = tuple(eqn.outvars[0].aval.shape) if name in _ELEMENTWISE else None
         cast_vals = [
-            env.cast(v, x, target, out_shape if out_shape is not None else tuple(x.shape))
+            env.cast(
+                v, x, target, out_shape if out_shape is not None else tuple(x.shape), wide_sums
+            )
             if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
             else raw
             for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
@@ -997,6 +1032,14 @@ def _eval_eqn(
     if name == "broadcast_in_dim" and _size(eqn.outvars[0]) > _size(eqn.invars[0]):
         env.spread.update(eqn.outvars)
     return (list(out) if multiple else [out]), [hold] * nout
+
+
+def _grows_half(eqn: Any, invals: list[Any]) -> bool:
+    """Whether `eqn` broadcasts a half value to more elements."""
+    if eqn.primitive.name != "broadcast_in_dim" or _size(eqn.outvars[0]) <= _size(eqn.invars[0]):
+        return False
+    dtype = getattr(invals[0], "dtype", None)
+    return dtype is not None and _is_float(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def _is_value(x: Any) -> bool:
