@@ -458,15 +458,15 @@ def _public_primitives():
 
 def test_every_primitive_of_this_jax_is_in_a_table_or_deliberately_untouched():
     from mpjax._src import autocast as ac
-    from mpjax._src import ops
+    from mpjax._src import ops, rules
 
     handled = (
         ops.KNOWN_OPS
         | set(ops.UNTOUCHED_OPS)
-        | ac.SHAPE_OPS
-        | ac._PASS_OPS
-        | ac._TRACED_DTYPE_OPS
-        | ac._DECISION_OPS
+        | rules.SHAPE_OPS
+        | rules._PASS_OPS
+        | rules._TRACED_DTYPE_OPS
+        | rules._DECISION_OPS
         | set(ac.INLINE_CALLS)
         | set(ac._SUBJAXPR_PARAMS)
     )

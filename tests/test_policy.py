@@ -1,10 +1,10 @@
 """Tests of Policy, the O0-O3 levels, jmp's policy grammar and the cast helpers."""
 
-import warnings
 import pathlib
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp

@@ -182,7 +182,8 @@ def _warn_bfloat16_scaling(kind: Any) -> None:
         return
     _warned_bfloat16_scaling = True
     # The first frame outside mpjax: Policy(...) and from_level reach here at different depths.
-    frame, level = sys._getframe(1), 2  # stacklevel 2 is our caller
+    frame: Any = sys._getframe(1)
+    level = 2  # stacklevel 2 is our caller
     while frame is not None and frame.f_globals.get("__name__", "").startswith("mpjax."):
         frame, level = frame.f_back, level + 1
     what = "dynamic scaling" if kind == "dynamic" else f"a static scale of {kind}"
