@@ -7,6 +7,7 @@ audit alone, on every supported JAX: ``pytest tests/test_audit.py -k "not autoca
 
 import inspect
 import pathlib
+import re
 import sys
 import warnings
 
@@ -141,6 +142,40 @@ def test_autocast_untouched_primitives_are_listed():
     report = mpjax.audit(f, jnp.full((8, 8), 2.0), jnp.ones((8, 8)))
     assert report.untouched == ("igamma",)
     assert "igamma" in str(report)
+
+
+def test_autocast_audit_of_a_function_taking_an_equinox_module():
+    eqx = pytest.importorskip("equinox")
+    # The MLP holds jax.nn.relu (a custom_jvp, no array) as a field: a static leaf.
+    mlp = eqx.nn.MLP(16, 8, 32, depth=2, key=jax.random.key(0))
+    f = mpjax.autocast(lambda m, x: jax.vmap(m)(x), mpjax.Policy.from_level("O2", "float16"))
+    report = mpjax.audit(f, mlp, jnp.ones((8, 16)))
+    assert len(report.matmuls) == 3 and report.half_flop_share == 1.0
+    report.assert_matmuls_in(jnp.float16)
+
+
+def test_autocast_flax_where_column_tells_two_dense_layers_apart():
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(24)(x))  # Dense_0: 32 -> 24
+            return nn.Dense(16)(h)  # Dense_1: 24 -> 16
+
+    x = jnp.ones((8, 32))
+    model = mpjax.flax.wrap(Net(), mpjax.Policy.from_level("O2", "float16"))
+    params = model.init(jax.random.key(0), x)
+    report = mpjax.audit(jax.grad(lambda p: jnp.sum(model.apply(p, x) ** 2)), params)
+    rows = [line.split("|")[1:-1] for line in str(report).splitlines()]
+    rows = [[c.strip() for c in r] for r in rows if r and r[0].strip() == "dot_general"]
+    assert len(rows) == len(report.matmuls) == 5  # 2 forward, 2 weight and 1 input gradient
+    for row in rows:
+        shapes, where = row[3], row[6]
+        layer = 1 if "16]" in shapes else 0  # only Dense_1 has a dimension of 16, only Dense_0 32
+        # Both layers run Flax's same line; the module path beside it tells them apart.
+        assert re.fullmatch(rf"Net/Dense_{layer} \(linear\.py:\d+\)", where), row
+    assert len({row[6] for row in rows}) == 2
 
 
 # -- the audit alone: plain jitted functions, half dtypes written by hand ----------------------
@@ -413,6 +448,57 @@ def test_walk_of_a_hand_built_module():
     ]
     assert found.untouched == ["igamma"]
     assert found.collectives == [audit_module.Collective("all-reduce", ("float16",), "lowered")]
+
+
+def test_static_leaves_are_baked_in_and_shape_structs_stand_for_arrays():
+    def f(w, x, scale, act):  # a Python float and a string: static, as autocast treats them
+        return getattr(jax.nn, act)(x.astype(jnp.float16) @ w.astype(jnp.float16)) * scale
+
+    w, x = jnp.ones((16, 8)), jnp.ones((4, 16))
+    report = mpjax.audit(f, w, x, 2.0, act="relu")
+    assert len(report.matmuls) == 1 and report.half_flop_share == 1.0
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (w, x)]
+    assert mpjax.audit(f, *specs, 2.0, act="relu").matmuls == report.matmuls
+
+
+def test_audit_of_an_eqx_filter_jit_function():
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(16, 8, 32, depth=2, key=jax.random.key(0))
+    grad = eqx.filter_grad(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2))
+    x = jnp.ones((8, 16))
+    plain = mpjax.audit(grad, mlp, x)
+    jitted = mpjax.audit(eqx.filter_jit(grad), mlp, x)  # its .lower() has no compiler_ir
+    assert len(jitted.matmuls) == len(plain.matmuls) == 3 + 3 + 2  # forward, weight, input
+    assert jitted.total_flops == plain.total_flops
+    assert jitted.compiled_matmuls
+
+
+def test_a_jitted_function_is_lowered_by_its_own_jit():
+    # Options only a top-level jit may carry would fail in a jit around it.
+    f = jax.jit(lambda w, x: x @ w, compiler_options={"xla_backend_optimization_level": 0})
+    report = mpjax.audit(f, jnp.ones((16, 8)), jnp.ones((4, 16)))
+    assert len(report.matmuls) == 1 and report.compiled_matmuls
+
+
+@pytest.mark.parametrize(
+    "name, path",
+    [
+        ("jit(step)/transpose(jvp(Net))/Dense_0/dot_general", "Net/Dense_0"),
+        ("jit(f)/jit(main)/vmap()/while/body/dot_general", None),
+        ("jit(f)/cond/branch_1_fun/attention/dot_general", "attention"),
+        (
+            "transpose(jvp(Net))/jvp(Net)/checkpoint/CheckpointBlock_0/proj/dot_general",
+            "Net/CheckpointBlock_0/proj",
+        ),
+        ("jit(f)/mpjax:r0/mpjax_untouched:igamma/igamma", None),
+        ("dot_general", None),
+        (None, None),
+    ],
+)
+def test_module_path_is_what_the_user_named_in_the_name_stack(name, path):
+    assert audit_module._module_path(name) == path
+    where = audit_module._where(name, "/site-packages/flax/linen/linear.py:287")
+    assert where == (f"{path} (linear.py:287)" if path else "linear.py:287")
 
 
 # -- overflow localisation -------------------------------------------------------------------

@@ -17,7 +17,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from mpjax._src import jax_compat
-from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE
+from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE, _fill, _is_dynamic
 
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -645,11 +645,14 @@ class AuditReport:
             rows.append(
                 f"| {m.kind} | {operands} | {m.result_dtype} | {shapes} | "
                 f"{m.flops / 1e9:.4f} | {'yes' if m.aligned else 'no'} | "
-                f"{_short(m.source)} |"
+                f"{_where(m.name, m.source)} |"
             )
         if self.risks:
             rows += ["", "f32-list ops in half (overflow/accuracy risks):"]
-            rows += [f"  {r.op} {r.dtype}{list(r.shape)} at {_short(r.source)}" for r in self.risks]
+            rows += [
+                f"  {r.op} {r.dtype}{list(r.shape)} at {_where(r.name, r.source)}"
+                for r in self.risks
+            ]
         if self.misaligned:
             rows += [
                 "",
@@ -674,6 +677,67 @@ def _short(source: str | None) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
+# The parts of a name stack that JAX adds: transformations wrapping the scope they entered
+# (``transpose(jvp(Net))``), function calls (``jit(step)``, ``pmap(f)``), and the regions of
+# control flow and remat. What is left is what the user's code named: Flax's module path
+# (``Net/Dense_0``) and any ``jax.named_scope``.
+_TRANSFORM = re.compile(r"(?:jvp|transpose|vmap)\((.*)\)")
+_CALL_SCOPE = re.compile(r"\w+\(.*\)")
+_JAX_SCOPE = re.compile(r"cond|while|body|body_pred|branch_\d+_fun|checkpoint|rematted_computation")
+
+
+def _module_path(name: str | None) -> str | None:
+    """The module path in an op's name stack, ``Net/Dense_0`` from
+    ``jit(step)/transpose(jvp(Net))/Dense_0/dot_general``; None where it has none."""
+    path: list[str] = []
+    for part in (name or "").split("/")[:-1]:  # the last part is the primitive
+        while (m := _TRANSFORM.fullmatch(part)) is not None:
+            part = m.group(1)
+        if not part or _CALL_SCOPE.fullmatch(part) or _JAX_SCOPE.fullmatch(part):
+            continue
+        if part.startswith(("mpjax:", UNTOUCHED_SCOPE + ":")):
+            continue
+        if not path or path[-1] != part:  # a transformation re-entering the same module
+            path.append(part)
+    return "/".join(path) or None
+
+
+def _where(name: str | None, source: str | None) -> str:
+    """``Net/Dense_0 (linear.py:287)``: a library's line is the same for each of its layers,
+    so the module path tells them apart."""
+    path = _module_path(name)
+    if path is None:
+        return _short(source)
+    return f"{path} ({_short(source)})" if source else path
+
+
+def _lower(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """`fn` lowered at `args` and `kwargs`: by its own ``lower`` where that gives JAX's
+    ``Lowered``, else by a jit of `fn` over the array leaves, the other leaves static."""
+    if hasattr(fn, "lower"):
+        # A jitted function's own lowering keeps what only a top-level jit may carry
+        # (compiler_options, donation, static_argnums); nested in another jit, JAX rejects it.
+        try:
+            own = fn.lower(*args, **kwargs)
+        except TypeError:  # a leaf jax.jit takes for no array (a module's activation function)
+            own = None
+        if hasattr(own, "compiler_ir"):  # eqx.filter_jit's own Lowered has none
+            return own
+    # Split as autocast splits them: arrays (and shape structs standing for arrays) are the
+    # program's inputs; any other leaf is static, baked into the trace.
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [
+        i for i, x in enumerate(leaves) if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
+    ]
+
+    def flat(*dyn: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(treedef, _fill(leaves, dynamic, dyn))
+        return fn(*a, **k)
+
+    flat.__name__ = getattr(fn, "__name__", type(fn).__name__)  # ops still read jit(<name>)/
+    return jax.jit(flat).lower(*[leaves[i] for i in dynamic])
+
+
 def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: Any) -> AuditReport:
     """Reports what `fn` runs in which precision, read from its lowered program.
 
@@ -688,9 +752,20 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
     With `compile`, it also reads the backend's optimized HLO (text, the only form XLA gives)
     to show the dtypes the matmuls really run in.
 
+    It takes anything :func:`mpjax.autocast` accepts: `fn` plain, jitted (``jax.jit``,
+    ``eqx.filter_jit``) or autocast, its arguments pytrees whose array leaves (or
+    ``jax.ShapeDtypeStruct``) are the program's inputs. Any other leaf (an equinox module's
+    activation function, a Python number, a string) is static: baked into the program, as
+    jax.jit's static arguments are.
+
+    The table's "where" column is the op's source line (``model.py:12``). Where the op's name
+    stack holds a module path (Flax linen's, equinox's, a ``jax.named_scope``), the path comes
+    first: ``Net/Dense_0 (linear.py:287)``, since every Dense runs Flax's same line. NNX
+    records no path, so its rows show the line alone.
+
     Args:
       fn: the function, e.g. a jitted train step.
-      *args: its arguments (arrays or ``jax.ShapeDtypeStruct``).
+      *args: its arguments: pytrees of arrays or ``jax.ShapeDtypeStruct``, and static leaves.
       compile: also compile and read the optimized HLO (default True).
       **kwargs: its keyword arguments.
 
@@ -704,21 +779,25 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
       >>> report = mpjax.audit(f, jnp.ones((16, 8)), jnp.ones((4, 16)))
       >>> report.half_flop_share, [r.op for r in report.risks]
       (1.0, ['exp'])
+      >>> layer = lambda w, x, act: act(x @ w)  # act, a function, is a static leaf
+      >>> len(mpjax.audit(layer, jnp.ones((16, 8)), jnp.ones((4, 16)), jax.nn.relu).matmuls)
+      1
 
       Under ``mpjax.autocast(f, mpjax.Policy.from_level("O1", "float16"))`` the matmul stays
       in float16 and the exp runs in float32, so ``report.risks`` is empty.
     """
     if not callable(fn):
         raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    lowered = jitted.lower(*args, **kwargs)
+    lowered = _lower(fn, args, kwargs)
     found = _read_module(lowered.compiler_ir("stablehlo"))
     compiled = None
     if compile:
         try:
-            compiled_matmuls, inserted = _parse_compiled(lowered.compile().as_text())
-            compiled = tuple(compiled_matmuls)
-            found.collectives += inserted
+            text = lowered.compile().as_text()  # None where a backend has no text of it
+            if text is not None:
+                compiled_matmuls, inserted = _parse_compiled(text)
+                compiled = tuple(compiled_matmuls)
+                found.collectives += inserted
         except Exception:  # noqa: BLE001 - the report stands without the optimized HLO
             compiled = None
     return AuditReport(
