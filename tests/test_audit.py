@@ -623,3 +623,24 @@ def test_gpu_advice_follows_compute_capability(monkeypatch, cc, half, slow):
     assert (message is not None) is slow
     if slow:
         assert f"compute capability >= {hardware._MIN_CAPABILITY[half]}" in message
+
+
+def test_untouched_primitives_are_named_cleanly_under_vmap():
+    def f(a):
+        return jnp.linalg.cholesky(a @ a.T + jnp.eye(3)).sum()
+
+    g = jax.vmap(jax.vmap(mpjax.autocast(f, mpjax.Policy.from_level("O2", "bfloat16"))))
+    assert mpjax.audit(g, jnp.ones((2, 2, 3, 3))).untouched == ("cholesky",)
+
+
+def test_a_half_sum_over_size_one_axes_is_not_a_risk():
+    # The transpose of broadcasting [2,4] to [2,1,1,4] sums over two size-1 axes: exact.
+    def total(t, shape):  # a half reduce_sum (jnp.sum would accumulate float16 in float32)
+        zero = jnp.zeros((), t.dtype)
+        return jax.lax.reduce(
+            jnp.broadcast_to(t[:, None, None, :], shape), zero, jax.lax.add, (1, 2)
+        )
+
+    t = jnp.ones((2, 4), jnp.float16)
+    assert mpjax.audit(lambda t: total(t, (2, 1, 1, 4)), t).risks == ()
+    assert [r.op for r in mpjax.audit(lambda t: total(t, (2, 5, 1, 4)), t).risks] == ["reduce_sum"]

@@ -333,6 +333,12 @@ def _reduction(op: Any) -> str | None:
     return _REDUCTIONS.get(body[0]) if len(body) == 2 and body[1] == "stablehlo.return" else None
 
 
+def _sums_one_element(op: Any) -> bool:
+    """Whether a reduce has as many results as operand elements (its axes have size 1)."""
+    src, out = _tensor(op.operands[0]), _tensor(op.results[0])
+    return src is not None and out is not None and math.prod(src[0]) == math.prod(out[0])
+
+
 def _producer(value: Any) -> Any:
     """The operation that defines `value`, or None for a block argument."""
     result = _result(value)
@@ -399,7 +405,9 @@ def _read_module(module: Any) -> _Lowered:
         for op, name, source in _operations(module):
             kind = op.name
             if name and UNTOUCHED_SCOPE + ":" in name:
-                prim = name.split(UNTOUCHED_SCOPE + ":", 1)[1].split("/", 1)[0]
+                # Under vmap or another transform the scope is wrapped:
+                # "vmap(vmap(mpjax_untouched:stack))/...": the name ends at the first ")" or "/".
+                prim = re.split(r"[/)]", name.split(UNTOUCHED_SCOPE + ":", 1)[1], maxsplit=1)[0]
                 if prim not in found.untouched:
                     found.untouched.append(prim)
             if kind == "stablehlo.convert":
@@ -440,6 +448,8 @@ def _read_module(module: Any) -> _Lowered:
                 risk = _reduction(op) if kind == "stablehlo.reduce" else _RISK_OPS.get(kind)
                 if risk == "exp" and _exp_cannot_overflow(op):
                     risk = None
+                if kind == "stablehlo.reduce" and risk and _sums_one_element(op):
+                    risk = None  # a reduction over size-1 axes adds nothing: exact in any dtype
                 out = _tensor(op.results[0]) if risk and len(op.results) else None
                 if risk and out is not None and out[1] in HALF_DTYPES:
                     found.risks.append(Risk(risk, out[1], out[0], name, source))
