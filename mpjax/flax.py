@@ -486,9 +486,16 @@ class TrainState(train_state.TrainState):
         """
         if scale is None and policy is not None:
             scale = policy.loss_scale()
-        return super().create(
+        state = super().create(
             apply_fn=apply_fn, params=params, tx=transform.loss_scale(tx, scale=scale), **kwargs
         )
+        if len(transform._find_states(state.opt_state)) > 1:
+            raise ValueError(
+                "TrainState.create wraps tx in mpjax.loss_scale itself, and this tx already "
+                "holds one; pass the bare optimizer (e.g. tx=optax.adamw(1e-3)) and the scale "
+                "as scale=... or policy=..."
+            )
+        return state
 
     @property
     def loss_scale(self) -> ls_lib.LossScale:

@@ -79,6 +79,8 @@ ERRORS = [
     (lambda: mpjax.flax.wrap(nn.Dense, O1), TypeError, "got the class Dense; pass Dense(...)"),
     (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules={"Dense_0": "O5"}), ValueError, "rules['Dense_0']: Unknown level 'O5'"),
     (lambda: mpjax.flax.wrap(nn.Dense(2), O1, rules={nn.Dense: "fast"}), ValueError, "rules[Dense]: Unknown level 'fast'"),
+    (lambda: mpjax.get_loss_scale(mpjax.loss_scale(optax.chain(mpjax.loss_scale(), optax.sgd(0.1))).init(PARAMS)), ValueError, "holds 2 mpjax.loss_scale() states"),
+    (lambda: mpjax.flax.TrainState.create(apply_fn=None, params=PARAMS, tx=optax.chain(mpjax.loss_scale(), optax.adam(1e-3))), ValueError, "this tx already holds one; pass the bare optimizer"),
 ]  # fmt: skip
 
 

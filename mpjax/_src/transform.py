@@ -308,7 +308,10 @@ def _find_states(opt_state: Any) -> list[LossScaleState]:
     def is_state(x: Any) -> bool:
         return isinstance(x, LossScaleState)
 
-    return [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
+    # A wrap form's inner state may hold another (loss_scale(chain(loss_scale(), ...))), which
+    # would unscale twice: count it too.
+    return found + [inner for x in found for inner in _find_states(x.inner_state)]
 
 
 class InexactSkipWarning(UserWarning):
