@@ -130,18 +130,27 @@ class CannotRebuild(Exception):
 def shard_map_context(params: dict[str, Any]) -> Iterator[None]:
     """The axis environment, manual mesh and vma checking that shard_map traces its body in.
 
-    JAX 0.7+ (``jax.shard_map``). In 0.6 shard_map bodies run as traced (CannotRebuild).
+    JAX 0.6.1+ (``jax._src.shard_map``). In 0.6.0 shard_map bodies run as traced
+    (CannotRebuild). The equation names the axes it makes manual ``manual_axes`` in JAX
+    0.6.1-0.10.1 and ``newly_manual_axes`` from 0.10.2; either way they exclude the axes an
+    enclosing shard_map already made manual (``mesh.manual_axes``).
     """
     try:
         from jax._src import config
         from jax._src import shard_map as shard_map_internal
         from jax._src.mesh import use_abstract_mesh
     except ImportError:
-        raise CannotRebuild("shard_map bodies are rebuilt from JAX 0.7 on") from None
-    mesh, manual = params["mesh"], params.get("newly_manual_axes", frozenset())
+        raise CannotRebuild("shard_map bodies are rebuilt from JAX 0.6.1 on") from None
+    mesh = params["mesh"]
+    manual = params.get("newly_manual_axes", params.get("manual_axes"))
+    if manual is None:  # renamed again: binding no axis would fail on the body's collectives
+        raise CannotRebuild("shard_map equation without newly_manual_axes/manual_axes")
+    # 0.6.x's _as_manual_mesh wants every manual axis (its staging rule adds mesh.manual_axes);
+    # 0.7+ keeps the mesh's manual axes anyway, so adding them there changes nothing.
+    all_manual = frozenset(manual) | frozenset(mesh.manual_axes)
     with contextlib.ExitStack() as stack:
         stack.enter_context(shard_map_internal._extend_axis_env(mesh, manual))
-        stack.enter_context(use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, manual)))
+        stack.enter_context(use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, all_manual)))
         if hasattr(config, "_check_vma"):
             stack.enter_context(config._check_vma(params.get("check_vma", True)))
         yield
