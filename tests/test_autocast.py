@@ -524,7 +524,7 @@ def _half_sums(jaxpr):
 
 
 @pytest.mark.parametrize("half", list(HALF))
-@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("level", [pytest.param("O1", marks=pytest.mark.slow), "O2"])
 def test_backward_sums_of_broadcast_half_activations_accumulate_in_float32(level, half, rng):
     def unet(h, temb, w, w2):
         t = jax.nn.silu(temb @ w)  # a half time embedding, added to every pixel

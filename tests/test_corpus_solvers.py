@@ -21,8 +21,10 @@ import mpjax  # noqa: E402
 
 # Relative tolerance on the loss and gradients against float32, per half dtype.
 RTOL = {"float16": 2e-2, "bfloat16": 8e-2}
-# The README's test command runs one cell per library; `pytest -m slow` runs the rest.
-FAST = {("O1", "bfloat16", n) for n in ("diffrax-pid", "optimistix-newton", "lineax-cholesky")}
+# The README's test command runs the quick cells (diffrax's compile alone takes 10 s, and
+# tests/test_autocast.py checks its class, symbolic zeros through custom rules, by itself);
+# `pytest -m slow` runs all of them.
+FAST = {("O1", "bfloat16", n) for n in ("optimistix-newton", "lineax-cholesky")}
 
 
 class Field(eqx.Module):
