@@ -462,3 +462,31 @@ def test_a_scale_below_one_that_overflows_on_unscale_is_skipped(scale):
     updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     assert not bool(state.last_finite)
     assert_trees_bit_identical(optax.apply_updates(params, updates), params)
+
+
+def test_wrap_form_keeps_a_prng_key_in_the_inner_state_on_a_skipped_step():
+    # An inner transformation that draws noise each step (as a stochastic-rounding update
+    # does): a skipped step leaves its key as it was, so a resumed run draws the same bits.
+    def init(params):
+        return {"key": jax.random.key(0), "count": jnp.zeros([], jnp.int32)}
+
+    def update(updates, state, params=None):
+        key, sub = jax.random.split(state["key"])
+        noisy = jax.tree_util.tree_map(
+            lambda u: u + 1e-3 * jax.random.normal(sub, u.shape), updates
+        )
+        return noisy, {"key": key, "count": state["count"] + 1}
+
+    tx = mpjax.loss_scale(optax.GradientTransformation(init, update), scale=mpjax.NoOpLossScale())
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    _, state = jax.jit(tx.update)({"w": jnp.ones(3)}, state, params)
+    updates, new = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan, 1.0])}, state, params)
+    assert_trees_bit_identical(optax.apply_updates(params, updates), params)
+    assert bool(
+        jnp.all(
+            jax.random.key_data(new.inner_state["key"])
+            == jax.random.key_data(state.inner_state["key"])
+        )
+    )
+    assert int(new.inner_state["count"]) == 1

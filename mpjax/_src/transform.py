@@ -158,8 +158,8 @@ def loss_scale(
 
     * wrap form, ``mpjax.loss_scale(optax.chain(optax.clip_by_global_norm(1.0),
       optax.adamw(1e-3)))``: the inner optimizer sees unscaled gradients; on a skipped step
-      it is not run, so the params and every leaf of its state stay bit-identical (as
-      ``optax.apply_if_finite``). Exact for any optimizer: use it for anything stateful.
+      its result is selected away, so the params and every leaf of its state stay
+      bit-identical (as ``optax.apply_if_finite``). Exact for any optimizer: use it for anything stateful.
     * chain form, ``optax.chain(mpjax.loss_scale(), optax.sgd(0.1))``: transformations after
       it see unscaled gradients, and zeros on a skipped step. Exact only when they are
       stateless (sgd without momentum, clipping, a constant learning rate). A stateful one
@@ -271,20 +271,20 @@ def loss_scale(
         if inner_tx is None:
             new_updates, inner_state = grads, state.inner_state
         else:
-
-            def accept(_: Any) -> tuple[optax.Updates, optax.OptState]:
-                return inner_tx.update(grads, state.inner_state, params, **extra_args)
-
-            def reject(_: Any) -> tuple[optax.Updates, optax.OptState]:
-                # Zeros and the untouched inner state, in the dtypes the inner update returns.
-                shapes = jax.eval_shape(accept, None)
-                zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[0])
-                kept = jax.tree_util.tree_map(
-                    lambda x, s: jnp.asarray(x, s.dtype), state.inner_state, shapes[1]
-                )
-                return zeros, kept
-
-            new_updates, inner_state = jax.lax.cond(finite, accept, reject, None)
+            # Run the inner update and select, as optax.apply_if_finite does, rather than
+            # branch with lax.cond: a select fuses into the update, where a cond's branches
+            # keep their own buffers (measured: +24% temp memory on the digits CNN's step).
+            # select(finite, new, old) returns `old` bit for bit, NaNs in `new` or not.
+            new_updates, proposed = inner_tx.update(grads, state.inner_state, params, **extra_args)
+            inner_state = jax.tree_util.tree_map(
+                lambda new, old: _select(finite, new, jnp.asarray(old, new.dtype)),
+                proposed,
+                state.inner_state,
+            )
+            new_updates = jax.tree_util.tree_map(
+                lambda u: u if ls_lib._is_float_leaf(u) else _select(finite, u, jnp.zeros_like(u)),
+                new_updates,
+            )
 
         def mask(u: Any) -> Any:
             # -0.0, not 0.0: p + (-0.0) == p bitwise for every p, including p == -0.0.
@@ -302,6 +302,14 @@ def loss_scale(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _select(pred: jax.Array, new: Any, old: Any) -> Any:
+    """`new` where `pred` else `old`, leaf-wise; PRNG keys through their key data."""
+    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+        data = jnp.where(pred, jax.random.key_data(new), jax.random.key_data(old))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+    return jnp.where(pred, new, old)
 
 
 def _find_states(opt_state: Any) -> list[LossScaleState]:
