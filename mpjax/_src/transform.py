@@ -159,7 +159,8 @@ def loss_scale(
     * wrap form, ``mpjax.loss_scale(optax.chain(optax.clip_by_global_norm(1.0),
       optax.adamw(1e-3)))``: the inner optimizer sees unscaled gradients; on a skipped step
       its result is selected away, so the params and every leaf of its state stay
-      bit-identical (as ``optax.apply_if_finite``). Exact for any optimizer: use it for anything stateful.
+      bit-identical (as ``optax.apply_if_finite``). Exact for any optimizer: use it for
+      anything stateful.
     * chain form, ``optax.chain(mpjax.loss_scale(), optax.sgd(0.1))``: transformations after
       it see unscaled gradients, and zeros on a skipped step. Exact only when they are
       stateless (sgd without momentum, clipping, a constant learning rate). A stateful one
