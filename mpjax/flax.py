@@ -102,9 +102,7 @@ class _Resolver:
     def _matches(self, key: RuleKey) -> bool:
         if isinstance(key, type):
             return any(issubclass(c, key) for c in self.seen.values())
-        return any(
-            fnmatch.fnmatchcase(p, key) or fnmatch.fnmatchcase(p + "/", key) for p in self.seen
-        )
+        return any(_glob(p, key) for p in self.seen)
 
     def _unmatched(self, key: RuleKey) -> str:
         import difflib  # only on the error path
@@ -117,7 +115,7 @@ class _Resolver:
         paths = sorted(p for p in self.seen if p)
         lower = {p.lower(): p for p in paths}
         close = [lower[m] for m in difflib.get_close_matches(key.lower(), list(lower), n=3)]
-        names = {c.__name__: c for c in self.seen.values()}
+        names = {c.__name__ for c in self.seen.values()}
         hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
         if key in names:
             hint += f"; {key!r} is a class name: use the class itself, {{{key}: ...}}"
@@ -143,7 +141,7 @@ class _Resolver:
 
     def path_marker(self, path: str) -> str | None:
         for pattern, marker in self.path_rules:
-            if fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern):
+            if _glob(path, pattern):
                 return marker
         return None
 
@@ -154,6 +152,11 @@ class _Resolver:
             matches = [(mro.index(c), marker) for c, marker in self.class_rules if c in mro]
             self._by_class[cls] = min(matches)[1] if matches else None
         return self._by_class[cls]
+
+
+def _glob(path: str, pattern: str) -> bool:
+    """Whether a module path matches a rule's glob (``"decoder/*"`` matches ``"decoder"`` too)."""
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern)
 
 
 def _key_name(key: Any) -> str:

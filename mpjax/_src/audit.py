@@ -17,7 +17,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from mpjax._src import jax_compat
-from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE, _fill, _is_dynamic
+from mpjax._src.autocast import INLINE_CALLS, UNTOUCHED_SCOPE, _is_dynamic, flat_call
 
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -740,10 +740,7 @@ def _lower(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         i for i, x in enumerate(leaves) if _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct)
     ]
 
-    def flat(*dyn: Any) -> Any:
-        a, k = jax.tree_util.tree_unflatten(treedef, _fill(leaves, dynamic, dyn))
-        return fn(*a, **k)
-
+    flat = flat_call(fn, leaves, treedef, dynamic)
     flat.__name__ = getattr(fn, "__name__", type(fn).__name__)  # ops still read jit(<name>)/
     return jax.jit(flat).lower(*[leaves[i] for i in dynamic])
 

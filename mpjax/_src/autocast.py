@@ -820,7 +820,7 @@ def _grows_half(eqn: Any, invals: list[Any]) -> bool:
 
 def _is_value(x: Any) -> bool:
     """Whether a rule's output is a value to trace (not a symbolic zero or None)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex))
+    return _is_dynamic(x) or isinstance(x, (int, float, complex))
 
 
 def _is_dynamic(x: Any) -> bool:
@@ -848,13 +848,22 @@ def trace_call(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any
     return _trace_leaves(fn, leaves, treedef, dynamic) + ([leaves[i] for i in dynamic],)
 
 
-def _trace_leaves(
+def flat_call(
     fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
-) -> Any:
+) -> Callable[..., Any]:
+    """`fn` as a function of the dynamic leaves alone; the others are baked in."""
+
     def flat_fn(*dyn: Any) -> Any:
         a, k = jax.tree_util.tree_unflatten(treedef, _fill(leaves, dynamic, dyn))
         return fn(*a, **k)
 
+    return flat_fn
+
+
+def _trace_leaves(
+    fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
+) -> Any:
+    flat_fn = flat_call(fn, leaves, treedef, dynamic)
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*[leaves[i] for i in dynamic])
     return closed, jax.tree_util.tree_structure(out_shape)
 

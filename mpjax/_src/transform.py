@@ -378,17 +378,17 @@ def _state_name(state: Any) -> str:
     return "/".join(dict.fromkeys(named)) or type(state).__name__
 
 
-_WARNED: set[Any] = set()
+_CHECKED: set[Any] = set()  # state structures already looked at (each warns at most once)
 
 
 def _warn_if_inexact(opt_state: Any) -> None:
+    key = jax.tree_util.tree_structure(opt_state)
+    if key in _CHECKED:
+        return
+    _CHECKED.add(key)
     followers = _chain_followers(opt_state)
     if not followers:
         return
-    key = jax.tree_util.tree_structure(opt_state)
-    if key in _WARNED:
-        return
-    _WARNED.add(key)
     warnings.warn(
         f"optax.chain(mpjax.loss_scale(), ...) is followed by stateful transformations "
         f"({', '.join(followers)}): on a skipped (non-finite) step they still advance their "
