@@ -138,6 +138,9 @@ def test_level_table(level, param, compute, output, keep_norm, half_name):
 def test_level_half_dtype_defaults_to_backend_rule():
     assert mpjax.Policy.from_level("O2").compute_dtype == mpjax.half_dtype()
     assert mpjax.half_dtype() == np.dtype(jmp.half_dtype())
+    # jmp returns the scalar type, and its README calls it: half_dtype()(2 ** 15)
+    assert mpjax.half_dtype() is jmp.half_dtype()
+    assert mpjax.half_dtype()(2**15).dtype == jmp.half_dtype()(2**15).dtype
 
 
 def test_level_names_are_forgiving_about_case_and_say_letter_o():

@@ -59,20 +59,24 @@ def _backend_half_dtype() -> np.dtype:
     return np.dtype(jnp.bfloat16) if on_tpu else np.dtype(jnp.float16)
 
 
-def half_dtype() -> np.dtype:
+def half_dtype() -> Any:
     """Returns the half-precision dtype for the default backend, as jmp does.
 
     bfloat16 on TPU, float16 elsewhere (GPUs and CPU). The answer is computed once per process.
+    As jmp's, it is the JAX scalar type, so ``half_dtype()(2**15)`` makes a half scalar (jmp's
+    README does this) and it works wherever a dtype is expected.
 
     Returns:
-      ``bfloat16`` on TPU, else ``float16`` (as a NumPy dtype).
+      ``jnp.bfloat16`` on TPU, else ``jnp.float16``.
 
     Example:
-      >>> import mpjax
-      >>> mpjax.half_dtype() in ("float16", "bfloat16")
+      >>> import numpy as np, mpjax
+      >>> np.dtype(mpjax.half_dtype()).name in ("float16", "bfloat16")
+      True
+      >>> mpjax.half_dtype()(2**15).dtype == mpjax.half_dtype()
       True
     """
-    return _backend_half_dtype()
+    return jnp.bfloat16 if _backend_half_dtype() == np.dtype(jnp.bfloat16) else jnp.float16
 
 
 def parse_dtype(value: str) -> np.dtype:
@@ -94,7 +98,7 @@ def parse_dtype(value: str) -> np.dtype:
     """
     value = value.strip()
     if value == "half":
-        return half_dtype()
+        return _backend_half_dtype()
     try:
         return _NAME_TO_DTYPE[value]
     except KeyError:

@@ -1,0 +1,85 @@
+"""The documentation site: every guide's Python block runs on its own, and the index reaches
+every guide and every public name."""
+
+import importlib
+import pathlib
+import re
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GUIDES = sorted((DOCS / "guides").glob("*.md"))
+MODULES = ("mpjax", "mpjax.flax", "mpjax.fp8", "mpjax.export", "mpjax.checkpoint")
+
+
+def python_blocks(path: pathlib.Path) -> list[str]:
+    # ```python fences run; peers' code is shown in {code-block} directives, which do not.
+    return re.findall(r"^ *```python\n(.*?)^ *```", path.read_text(), flags=re.S | re.M)
+
+
+def dedent(block: str) -> str:
+    lines = block.splitlines()
+    indent = min((len(s) - len(s.lstrip()) for s in lines if s.strip()), default=0)
+    return "\n".join(s[indent:] for s in lines) + "\n"
+
+
+BLOCKS = [
+    pytest.param(path, i, id=f"{path.stem}-{i}")
+    for path in [DOCS / "index.md", *GUIDES]
+    for i in range(len(python_blocks(path)))
+]
+
+
+@pytest.mark.parametrize("path, index", BLOCKS)
+def test_python_block_runs_on_its_own(path, index, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a block that writes files writes them here
+    block = dedent(python_blocks(path)[index])
+    exec(compile(block, f"{path.relative_to(ROOT)} block {index}", "exec"), {"__name__": "doc"})
+
+
+def test_every_guide_is_in_the_index():
+    index = (DOCS / "index.md").read_text()
+    toctree = re.search(r"```\{toctree\}\n(.*?)```", index, flags=re.S).group(1)
+    listed = {line.strip() for line in toctree.splitlines() if line.startswith("guides/")}
+    assert listed == {f"guides/{g.stem}" for g in GUIDES}
+    for guide in GUIDES:
+        assert guide.read_text().startswith("# "), f"{guide.name} needs a title"
+
+
+def test_every_public_name_is_in_the_api_reference():
+    api = (DOCS / "api.rst").read_text()
+    missing = []
+    for name in MODULES:
+        module = importlib.import_module(name)
+        section = api if name == "mpjax" else api[api.index(f"\n{name}\n") :]
+        section = section.split("\nmpjax.")[0] if name == "mpjax" else section
+        for public in module.__all__:
+            if not re.search(rf"^   {re.escape(public)}$", section, flags=re.M):
+                missing.append(f"{name}.{public}")
+    assert not missing, f"not in docs/api.rst: {missing}"
+
+
+def test_index_quickstart_is_the_readmes():
+    readme = (ROOT / "README.md").read_text()
+    assert python_blocks(DOCS / "index.md")[0] in readme
+
+
+def test_audit_table_in_the_guide_is_the_quickstarts_real_audit():
+    import mpjax
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the guide shows the CPU audit")
+    namespace: dict = {}
+    exec(compile(python_blocks(DOCS / "index.md")[0], "quickstart.py", "exec"), namespace)
+    report = mpjax.audit(
+        namespace["train_step"],
+        namespace["params"],
+        namespace["opt_state"],
+        namespace["x"],
+        namespace["y"],
+    )
+    guide = (DOCS / "guides" / "audit.md").read_text()
+    shown = re.search(r"```text\n>>> print\(mpjax.audit.*?\n(.*?)```", guide, flags=re.S).group(1)
+    assert shown.strip() == str(report).strip()
