@@ -1413,7 +1413,7 @@ MODELS = ["gpt2", "bert", "eqx"]
 O3_F16_LAYERNORM = pytest.mark.xfail(
     strict=True,
     raises=AssertionError,
-    reason="O3 is pure half (README, notes): it runs LayerNorm's rsqrt(var + eps) and its "
+    reason="O3 is pure half (the levels guide): it runs LayerNorm's rsqrt(var + eps) and its "
     "derivative rsqrt(y) / y in float16, where Flax's own float16 LayerNorm keeps them in "
     "float32; y^-1.5 overflows once y < 6.1e-4, as GPT-2's 0.02-std embeddings reach: inf, "
     "then NaN, in the embedding gradients (keep_norm_fp32=True avoids it, tested below)",
@@ -1444,7 +1444,7 @@ def test_loss_logits_and_gradients_match_float32(model, level, dtype):
 
 
 def test_gpt2_o3_float16_with_keep_norm_fp32_matches_float32():
-    # README's advice for the O3 float16 failure above: LayerNorm's statistics in float32
+    # The levels guide's advice for the O3 float16 failure above: LayerNorm's statistics in float32
     # (measured over seeds 0-4: loss 0.38 eps, logits 0.91, padding logits 0.94, 1 - cos 0.001,
     # grad norm ratio 0.14).
     m = measured("gpt2", "O3", "float16", keep_norm_fp32=True)

@@ -214,11 +214,12 @@ def test_get_policy_unknown_name_keeps_jmps_words_and_lists_levels():
         mpjax.get_policy("fp16")
 
 
-def test_readme_level_name_table_matches_from_level():
+def test_levels_guide_name_table_matches_from_level():
     from mpjax._src import policy as policy_lib
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
-    rows = re.findall(r'^\| `"([^"]+)"` \| ([^|]+) \|', readme, flags=re.M)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    guide = (root / "docs" / "guides" / "levels.md").read_text()
+    rows = re.findall(r'^\| `"([^"]+)"` \| ([^|]+) \|', guide, flags=re.M)
     assert {name for name, _ in rows} == set(policy_lib.LEVEL_NAMES) | {"OD"}
     for name, level in rows:
         if level.strip() == "not accepted":
