@@ -6,6 +6,7 @@ transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp'
 
 from mpjax._src.audit import AuditReport, NonFiniteOrigin, audit, find_nonfinite
 from mpjax._src.autocast import autocast, full_precision, half_precision
+from mpjax._src.compare import CompareReport, F32Rules, compare, find_f32_rules
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
 from mpjax._src.loss_scale import (
@@ -63,12 +64,16 @@ __all__ = (
     "Policy",
     "StaticLossScale",
     "AuditReport",
+    "CompareReport",
+    "F32Rules",
     "HardwareWarning",
     "InexactSkipWarning",
     "all_finite",
     "all_reduce_gradients",
     "audit",
     "find_nonfinite",
+    "compare",
+    "find_f32_rules",
     "autocast",
     "full_precision",
     "half_precision",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import itertools
 import re
@@ -121,6 +122,10 @@ def _cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = Fal
     (see _Env._saturate), where the clamp costs no residual."""
     if getattr(x, "dtype", None) == dtype and not weak_type:
         return x
+    if TRACE_SALT.get() and not isinstance(x, jax.core.Tracer):
+        # Hook for mpjax.compare: a constant cast down stays a convert of its float32 value
+        # instead of folding into a half constant, so compare's float32 shadow keeps it.
+        x = lax.optimization_barrier(x)
     if saturate and _is_float(dtype) and _is_float(x.dtype) and _max(dtype) < _max(x.dtype):
         x = _saturate(x, dtype)
     return jc.convert(x, np.dtype(dtype), weak_type)
@@ -462,6 +467,8 @@ def _eval_jaxpr(
         invals = [env.read(v) for v in eqn.invars]
         static = [env.is_static(v) for v in eqn.invars]
         tb = traceback if traceback is not None else eqn.source_info.traceback
+        if traceback is not None and TRACE_SALT.get() and jc.summarize_source(eqn.source_info):
+            tb = eqn.source_info.traceback  # mpjax.compare names a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
                 outvals, holds = _eval_eqn(ctx, eqn, invals, env, facts, eqn_mode, tb)
@@ -968,6 +975,11 @@ def autocast(
 
 _CACHE_SIZE = 64
 
+# Hook for mpjax.compare, which traces a function again with Flax module paths (and float32
+# regions to try) in its name stacks: it sets this while tracing, so that a call cached
+# before, traced without them, is not reused.
+TRACE_SALT: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_trace_salt", default="")
+
 
 def _flax_module_kind(fn: Any) -> str | None:
     """'linen' or 'NNX' when `fn` is a Flax module (without importing Flax otherwise)."""
@@ -990,7 +1002,7 @@ def _signature(treedef: Any, leaves: list[Any], dynamic: list[int]) -> Any:
         hash(avals)
     except TypeError:
         return None
-    return (treedef, static, avals, str(jc.current_name_stack()))
+    return (treedef, static, avals, str(jc.current_name_stack()), TRACE_SALT.get())
 
 
 class _Entry:
