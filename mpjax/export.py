@@ -207,6 +207,16 @@ def load(directory: str | os.PathLike, params: Any = None) -> Callable[..., Any]
     Raises:
       FileNotFoundError: if a file of the export is missing.
       ValueError: if the params do not match the exported function.
+
+    Example:
+      >>> import os, tempfile, jax.numpy as jnp, mpjax, mpjax.export
+      >>> path, x = os.path.join(tempfile.mkdtemp(), "f"), jnp.ones((4, 3))
+      >>> _ = mpjax.export.save(path, lambda p, x: x @ p["w"], {"w": jnp.ones((3, 2))}, x,
+      ...                       policy=mpjax.Policy.from_level("O2", "bfloat16"))
+      >>> mpjax.export.load(path)(x)[0, 0].item()
+      3.0
+      >>> mpjax.export.load(path, params={"w": jnp.full((3, 2), 2.0)})(x)[0, 0].item()
+      6.0
     """
     directory = os.fspath(directory)
     for name in (_FUNCTION_FILE, _PARAMS_FILE, _META_FILE):

@@ -224,6 +224,14 @@ class LinenWrapped:
 
         Raises:
           ValueError: if a key of ``rules`` matches none of the modules the call ran.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax, mpjax.flax
+          >>> policy = mpjax.Policy.from_level("O3", "bfloat16")
+          >>> model = mpjax.flax.wrap(nn.BatchNorm(use_running_average=True), policy)
+          >>> v = model.init(jax.random.key(0), jnp.ones((2, 3)))
+          >>> v["params"]["scale"].dtype, v["batch_stats"]["mean"].dtype
+          (dtype(bfloat16), dtype('float32'))
         """
         with nn.intercept_methods(self._intercept):
             variables = self.module.init(rngs, *args, method=method, **kwargs)
@@ -242,6 +250,15 @@ class LinenWrapped:
         """Like ``module.apply``, run under the policy; outputs in ``policy.output_dtype``.
 
         Mutable collections come back in their stored dtypes (``batch_stats`` in float32).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, flax.linen as nn, mpjax, mpjax.flax
+          >>> policy = mpjax.Policy.from_level("O3", "bfloat16")
+          >>> model = mpjax.flax.wrap(nn.BatchNorm(use_running_average=False), policy)
+          >>> v = model.init(jax.random.key(0), jnp.ones((2, 3)))
+          >>> y, updates = model.apply(v, jnp.ones((2, 3)), mutable=["batch_stats"])
+          >>> y.dtype, updates["batch_stats"]["mean"].dtype   # stats stay float32
+          (dtype(bfloat16), dtype('float32'))
         """
 
         def run(variables: Any, rngs: Any, args: Any, kwargs: Any) -> Any:
@@ -486,6 +503,16 @@ class TrainState(train_state.TrainState):
           policy: gives the loss scale (``policy.loss_scale()``) unless `scale` is given.
           scale: the loss scale; default from `policy`, else ``DynamicLossScale(2**15)``.
           **kwargs: other TrainState fields.
+
+        Raises:
+          ValueError: if `tx` already holds an ``mpjax.loss_scale``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, mpjax, mpjax.flax
+          >>> state = mpjax.flax.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+          ...     tx=optax.sgd(0.1), policy=mpjax.Policy.from_level("O1", "float16"))
+          >>> type(state.opt_state).__name__, state.loss_scale.loss_scale.item()
+          ('LossScaleState', 32768.0)
         """
         if scale is None and policy is not None:
             scale = policy.loss_scale()
@@ -502,17 +529,43 @@ class TrainState(train_state.TrainState):
 
     @property
     def loss_scale(self) -> ls_lib.LossScale:
-        """The current loss scale."""
+        """The current loss scale.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, mpjax, mpjax.flax
+          >>> state = mpjax.flax.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+          ...     tx=optax.sgd(0.1), policy=mpjax.Policy.from_level("O2", "bfloat16"))
+          >>> type(state.loss_scale).__name__   # bfloat16 needs no scaling
+          'NoOpLossScale'
+        """
         return transform.get_loss_scale(self.opt_state)
 
     def metrics(self) -> dict[str, jax.Array]:
-        """``mpjax.loss_scale_metrics`` of this state."""
+        """``mpjax.loss_scale_metrics`` of this state.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, mpjax, mpjax.flax
+          >>> state = mpjax.flax.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+          ...     tx=optax.sgd(0.1), scale=mpjax.StaticLossScale(8.0))
+          >>> m = state.metrics()
+          >>> m["loss_scale"].item(), m["skipped_steps"].item(), m["last_step_finite"].item()
+          (8.0, 0, True)
+        """
         return transform.loss_scale_metrics(self.opt_state)
 
     def grad(self, loss_fn: Callable, *args: Any, has_aux: bool = False) -> Any:
         """Returns ``(loss, grads)`` (``((loss, aux), grads)`` with `has_aux`) of
         ``loss_fn(params, *args)``: the loss unscaled, the gradients of the scaled loss, ready
-        for ``apply_gradients``."""
+        for ``apply_gradients``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax, mpjax, mpjax.flax
+          >>> state = mpjax.flax.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+          ...     tx=optax.sgd(0.1), scale=mpjax.StaticLossScale(8.0))
+          >>> loss, grads = state.grad(lambda p, x: jnp.sum(p["w"] * x), jnp.full(2, 3.0))
+          >>> loss.item(), grads["w"].tolist()   # the loss unscaled, the grads of 8 * loss
+          (6.0, [24.0, 24.0])
+        """
         scale = self.loss_scale
 
         def scaled(params: Any) -> Any:

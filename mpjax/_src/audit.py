@@ -554,12 +554,26 @@ class AuditReport:
 
     @property
     def total_flops(self) -> int:
-        """FLOPs of all matmuls and convolutions."""
+        """FLOPs of all matmuls and convolutions.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> mpjax.audit(lambda a, b: a @ b, jnp.ones((4, 8)), jnp.ones((8, 2))).total_flops
+          128
+        """
         return sum(m.flops for m in self.matmuls)
 
     @property
     def half_flop_share(self) -> float:
-        """The share of matmul/conv FLOPs whose operands are half (0.0 with no matmuls)."""
+        """The share of matmul/conv FLOPs whose operands are half (0.0 with no matmuls).
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> def f(a, b):  # two matmuls of the same size, one in float16
+          ...     return a.astype(jnp.float16) @ b.astype(jnp.float16), a @ b
+          >>> mpjax.audit(f, jnp.ones((8, 8)), jnp.ones((8, 8))).half_flop_share
+          0.5
+        """
         total = self.total_flops
         return sum(m.flops for m in self.matmuls if m.half) / total if total else 0.0
 
@@ -581,17 +595,41 @@ class AuditReport:
 
     @property
     def fp8_flop_share(self) -> float:
-        """The share of matmul/conv FLOPs run in FP8 (0.0 with no matmuls)."""
+        """The share of matmul/conv FLOPs run in FP8 (0.0 with no matmuls).
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax, mpjax.fp8
+          >>> f, pol = lambda w, v, x: (x @ w) @ v, mpjax.fp8.policy()  # v too narrow for FP8
+          >>> w, v, x = jnp.ones((32, 16)), jnp.ones((16, 8)), jnp.ones((16, 32))
+          >>> state = mpjax.fp8.init(f, pol, w, v, x)
+          >>> mpjax.audit(mpjax.fp8.apply(f, pol), state, w, v, x).fp8_flop_share
+          0.8
+        """
         total = self.total_flops
         return sum(m.flops for m in self.fp8_matmuls) / total if total else 0.0
 
     @property
     def misaligned(self) -> tuple[MatmulOp, ...]:
-        """Half matmuls with a dimension that is not a multiple of 8 (slow on tensor cores)."""
+        """Half matmuls with a dimension that is not a multiple of 8 (slow on tensor cores).
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> f = lambda a, b: a.astype(jnp.bfloat16) @ b.astype(jnp.bfloat16)
+          >>> report = mpjax.audit(f, jnp.ones((4, 12)), jnp.ones((12, 8)))
+          >>> [m.operand_shapes for m in report.misaligned]   # 12 is not a multiple of 8
+          [((4, 12), (12, 8))]
+        """
         return tuple(m for m in self.matmuls if m.half and not m.aligned)
 
     def to_dict(self) -> dict[str, Any]:
-        """A plain dict of the report, for tests and CI."""
+        """A plain dict of the report, for tests and CI.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> d = mpjax.audit(lambda a, b: a @ b, jnp.ones((8, 16)), jnp.ones((16, 8))).to_dict()
+          >>> d["total_flops"], d["matmuls"][0]["kind"], d["matmuls"][0]["operand_dtypes"]
+          (2048, 'dot_general', ('float32', 'float32'))
+        """
         return {
             "backend": self.backend,
             "matmuls": [

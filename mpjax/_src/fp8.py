@@ -74,6 +74,13 @@ class FP8State:
         gradient (``x_fp8 = x * scale``).
       amax_history: float32 ``[sites, 3, amax_history_len]``, newest first.
       recipe: the :class:`DelayedScaling` recipe (static: not a leaf).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax.fp8
+      >>> pol = mpjax.fp8.policy(recipe=mpjax.fp8.DelayedScaling(amax_history_len=4))
+      >>> state = mpjax.fp8.init(lambda w, x: x @ w, pol, jnp.ones((32, 16)), jnp.ones((16, 32)))
+      >>> [leaf.shape for leaf in jax.tree_util.tree_leaves(state)]   # the recipe is static
+      [(1, 3), (1, 3, 4)]
     """
 
     scale: jax.Array
@@ -82,7 +89,15 @@ class FP8State:
 
     @property
     def num_sites(self) -> int:
-        """How many dot sites run in FP8."""
+        """How many dot sites run in FP8.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax.fp8
+          >>> f = lambda w, x: (x @ w) @ w.T   # two dot sites
+          >>> state = mpjax.fp8.init(f, mpjax.fp8.policy(), jnp.ones((32, 16)), jnp.ones((16, 32)))
+          >>> state.num_sites
+          2
+        """
         return int(self.scale.shape[-2])
 
 
@@ -101,6 +116,12 @@ class FP8Policy:
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
       recipe: the delayed-scaling recipe.
+
+    Example:
+      >>> import mpjax, mpjax.fp8
+      >>> pol = mpjax.fp8.FP8Policy(mpjax.Policy.from_level("O1", "bfloat16"))
+      >>> pol.base.level, pol.recipe.amax_history_len
+      ('O1', 1024)
     """
 
     base: Policy
@@ -141,7 +162,13 @@ def policy(
 
 
 def fp8_max(dtype: Any) -> float:
-    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+
+    Example:
+      >>> import jax.numpy as jnp, mpjax.fp8
+      >>> mpjax.fp8.fp8_max(jnp.float8_e4m3fn), mpjax.fp8.fp8_max(jnp.float8_e5m2)
+      (448.0, 57344.0)
+    """
     return float(jnp.finfo(dtype).max)
 
 

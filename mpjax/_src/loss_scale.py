@@ -143,19 +143,46 @@ class NoOpLossScale:
 
     @property
     def loss_scale(self) -> int:
-        """Always 1, as jmp."""
+        """Always 1, as jmp.
+
+        Example:
+          >>> import mpjax
+          >>> mpjax.NoOpLossScale().loss_scale
+          1
+        """
         return 1
 
     def scale(self, tree: T) -> T:
-        """Returns `tree` unchanged."""
+        """Returns `tree` unchanged.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> loss = jnp.float16(2.0)
+          >>> mpjax.NoOpLossScale().scale(loss) is loss
+          True
+        """
         return tree
 
     def unscale(self, tree: T) -> T:
-        """Returns `tree` unchanged."""
+        """Returns `tree` unchanged.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
+          >>> mpjax.NoOpLossScale().unscale(grads) is grads
+          True
+        """
         return tree
 
     def adjust(self, grads_finite: Any) -> NoOpLossScale:
-        """Returns self."""
+        """Returns self.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> ls = mpjax.NoOpLossScale()
+          >>> ls.adjust(jnp.array(False)) is ls
+          True
+        """
         del grads_finite
         return self
 
@@ -193,15 +220,37 @@ class StaticLossScale:
         object.__setattr__(self, "loss_scale", value)
 
     def scale(self, tree: T) -> T:
-        """Multiplies the floating leaves of `tree` by the scale (in float32)."""
+        """Multiplies the floating leaves of `tree` by the scale (in float32).
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> loss = mpjax.StaticLossScale(1024.0).scale(jnp.float16(0.5))
+          >>> loss.dtype, loss.item()   # half widened to float32, so it cannot overflow
+          (dtype('float32'), 512.0)
+        """
         return _scale_tree(tree, jnp.float32(self.loss_scale))
 
     def unscale(self, tree: T) -> T:
-        """Divides the floating leaves of `tree` by the scale, keeping each leaf's dtype."""
+        """Divides the floating leaves of `tree` by the scale, keeping each leaf's dtype.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> ls = mpjax.StaticLossScale(1024.0)
+          >>> grads = ls.unscale({"w": jnp.full(2, 512.0, jnp.float16)})
+          >>> grads["w"].dtype, grads["w"].tolist()
+          (dtype('float16'), [0.5, 0.5])
+        """
         return _unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: Any) -> StaticLossScale:
-        """Returns self: a static scale never changes."""
+        """Returns self: a static scale never changes.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> ls = mpjax.StaticLossScale(1024.0)
+          >>> ls.adjust(jnp.array(False)) is ls, ls.loss_scale
+          (True, 1024.0)
+        """
         del grads_finite
         return self
 
@@ -378,11 +427,26 @@ class DynamicLossScale:
             object.__setattr__(self, name, value)
 
     def scale(self, tree: T) -> T:
-        """Multiplies the floating leaves of `tree` (usually the loss) by the scale."""
+        """Multiplies the floating leaves of `tree` (usually the loss) by the scale.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> loss = mpjax.DynamicLossScale(2.0**15).scale(jnp.float16(2.0))
+          >>> loss.dtype, loss.item()   # half widened to float32, so it cannot overflow
+          (dtype('float32'), 65536.0)
+        """
         return _scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: T) -> T:
-        """Divides the floating leaves of `tree` (usually grads) by the scale, keeping dtypes."""
+        """Divides the floating leaves of `tree` (usually grads) by the scale, keeping dtypes.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> ls = mpjax.DynamicLossScale(2.0**15)
+          >>> grads = ls.unscale({"w": jnp.full(2, 2.0**14, jnp.float16)})
+          >>> grads["w"].dtype, grads["w"].tolist()
+          (dtype('float16'), [0.5, 0.5])
+        """
         return _unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: Any) -> DynamicLossScale:
@@ -393,6 +457,17 @@ class DynamicLossScale:
 
         Returns:
           The new DynamicLossScale (same structure and dtypes, so jit does not retrace).
+
+        Raises:
+          ValueError: if `grads_finite` is not a scalar.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> ls = mpjax.DynamicLossScale(2.0**15, period=1)
+          >>> ls.adjust(mpjax.all_finite({"g": jnp.ones(2)})).loss_scale.item()
+          65536.0
+          >>> ls.adjust(mpjax.all_finite({"g": jnp.array([1.0, jnp.inf])})).loss_scale.item()
+          16384.0
         """
         finite = jnp.asarray(grads_finite)
         if finite.ndim != 0:

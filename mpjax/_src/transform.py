@@ -35,7 +35,17 @@ class NonFiniteLeaves:
         return f"NonFiniteLeaves(mask={self.mask!r}, paths={self.paths!r})"
 
     def names(self) -> list[str]:
-        """The paths of the non-finite leaves (host-side: needs a concrete mask)."""
+        """The paths of the non-finite leaves (host-side: needs a concrete mask).
+
+        Example:
+          >>> import jax.numpy as jnp, optax, mpjax
+          >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+          >>> tx = mpjax.loss_scale(optax.sgd(0.1), track_nonfinite=True)
+          >>> grads = {"a": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}
+          >>> _, state = tx.update(grads, tx.init(params), params)
+          >>> state.nonfinite.names()
+          ["['b']"]
+        """
         mask = jax.device_get(self.mask)
         return [p for p, bad in zip(self.paths, mask, strict=True) if bad]
 
