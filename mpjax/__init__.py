@@ -7,6 +7,7 @@ transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp'
 from mpjax._src.audit import AuditReport, NonFiniteOrigin, audit, find_nonfinite
 from mpjax._src.autocast import autocast, full_precision, half_precision
 from mpjax._src.compare import CompareReport, F32Rules, compare, find_f32_rules
+from mpjax._src.half_params import HalfUpdatesState, half_updates, stochastic_round
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
 from mpjax._src.loss_scale import (
@@ -67,6 +68,7 @@ __all__ = (
     "CompareReport",
     "F32Rules",
     "HardwareWarning",
+    "HalfUpdatesState",
     "InexactSkipWarning",
     "all_finite",
     "all_reduce_gradients",
@@ -77,6 +79,7 @@ __all__ = (
     "autocast",
     "full_precision",
     "half_precision",
+    "half_updates",
     "hardware_advice",
     "cast_to_full",
     "cast_to_half",
@@ -88,4 +91,5 @@ __all__ = (
     "nonfinite_leaves",
     "parse_dtype",
     "select_tree",
+    "stochastic_round",
 )

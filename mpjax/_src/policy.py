@@ -267,27 +267,67 @@ class Policy:
     # -- jmp's API ---------------------------------------------------------------------------
 
     def cast_to_param(self, x: T) -> T:
-        """Casts the floating array leaves of `x` to `param_dtype`."""
+        """Casts the floating array leaves of `x` to `param_dtype`.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> policy = mpjax.Policy.from_level("O3", "bfloat16")
+          >>> p = policy.cast_to_param({"w": jnp.ones(2), "step": jnp.int32(0)})
+          >>> p["w"].dtype, p["step"].dtype   # integer leaves are never cast
+          (dtype(bfloat16), dtype('int32'))
+        """
         return cast_floating(x, self.param_dtype)
 
     def cast_to_compute(self, x: T) -> T:
-        """Casts the floating array leaves of `x` to `compute_dtype`."""
+        """Casts the floating array leaves of `x` to `compute_dtype`.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> policy = mpjax.Policy.from_level("O1", "float16")
+          >>> policy.cast_to_compute(jnp.ones(2)).dtype, policy.cast_to_compute(1.0)
+          (dtype('float16'), 1.0)
+        """
         return cast_floating(x, self.compute_dtype)
 
     def cast_to_output(self, x: T) -> T:
-        """Casts the floating array leaves of `x` to `output_dtype`."""
+        """Casts the floating array leaves of `x` to `output_dtype`.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> policy = mpjax.Policy.from_level("O2", "float16")
+          >>> policy.cast_to_output(jnp.ones(2, jnp.float16)).dtype
+          dtype('float32')
+        """
         return cast_floating(x, self.output_dtype)
 
     def with_param_dtype(self, param_dtype: Any) -> Policy:
-        """Returns a copy with `param_dtype` replaced."""
+        """Returns a copy with `param_dtype` replaced.
+
+        Example:
+          >>> import mpjax
+          >>> str(mpjax.get_policy("p=f32,c=bf16,o=f32").with_param_dtype("bfloat16"))
+          'p=bf16,c=bf16,o=full'
+        """
         return dataclasses.replace(self, param_dtype=param_dtype)
 
     def with_compute_dtype(self, compute_dtype: Any) -> Policy:
-        """Returns a copy with `compute_dtype` replaced."""
+        """Returns a copy with `compute_dtype` replaced.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> str(mpjax.get_policy("full").with_compute_dtype(jnp.float16))
+          'p=full,c=f16,o=full'
+        """
         return dataclasses.replace(self, compute_dtype=compute_dtype)
 
     def with_output_dtype(self, output_dtype: Any) -> Policy:
-        """Returns a copy with `output_dtype` replaced."""
+        """Returns a copy with `output_dtype` replaced.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> str(mpjax.get_policy("p=f32,c=bf16").with_output_dtype(jnp.float32))
+          'p=full,c=bf16,o=full'
+        """
         return dataclasses.replace(self, output_dtype=output_dtype)
 
     def __str__(self) -> str:
@@ -302,7 +342,13 @@ class Policy:
 
     @property
     def half(self) -> bool:
-        """True when the policy computes in float16 or bfloat16."""
+        """True when the policy computes in float16 or bfloat16.
+
+        Example:
+          >>> import mpjax
+          >>> mpjax.Policy.from_level("O1", "bfloat16").half, mpjax.Policy.from_level("O0").half
+          (True, False)
+        """
         return self.compute_dtype in _HALF_DTYPES
 
     def loss_scale(self) -> loss_scale_lib.LossScale:
@@ -356,6 +402,16 @@ class Policy:
         O3     half           everything in half                             half
         ====== ============== ============================================== =========
 
+        Half params, no float32 master copy: ``from_level("O2", "bfloat16",
+        master_weights=False)`` is O2's compute with params stored in the half dtype (2 bytes
+        each instead of 4; 6-10 bytes per param with Adam instead of 12). Round-to-nearest
+        updates then stall (an update under 2**-9 of a bfloat16 weight is lost), so train
+        such params through :func:`mpjax.half_updates` (stochastic rounding or a Kahan
+        buffer): ``mpjax.half_updates(optax.adam(1e-3))``. With float16 params the
+        gradients are float16 too, so ask for ``loss_scale="dynamic"``: the default scales
+        only float32 params. ``master_weights=True`` at O3 is the converse, apex O3 with
+        float32 storage.
+
         Args:
           level: "O0", "O1", "O2" or "O3" (the letter O, as apex), or "auto" (MindSpore's
             name for O1); any case.
@@ -363,7 +419,8 @@ class Policy:
           lower_ops: extra primitives to run in half (removed from the float32 list).
           f32_ops: extra primitives to keep in float32 (removed from the half list).
           keep_norm_fp32: keep normalization statistics in float32 (default: True but at O3).
-          master_weights: O2/O3 only: True stores float32 params, False stores half params.
+          master_weights: O2/O3 only: True stores float32 params, False stores half params
+            (train them with :func:`mpjax.half_updates`). Default: True at O2, False at O3.
           loss_scale: "dynamic", "none", or a positive float for a static scale. Default:
             dynamic where float32 params are computed in float16 (O1, O2), none otherwise
             (bfloat16 needs no scaling; O3 has no float32 copy to protect).
@@ -385,6 +442,8 @@ class Policy:
           ('p=full,c=bf16,o=full', True, True)
           >>> mpjax.Policy.from_level("auto", "float16").level   # MindSpore's name
           'O1'
+          >>> str(mpjax.Policy.from_level("O2", "bfloat16", master_weights=False))
+          'p=bf16,c=bf16,o=full'
         """
         level = _check_level(level)
         half = (
