@@ -88,6 +88,27 @@ def tree_size(tree) -> int:
     return sum(x.size for x in jax.tree_util.tree_leaves(tree))
 
 
+def summary(task, run, metric, values, params, opt_state, steps, start, losses, **extra):
+    """A run's record: its per-seed metric, bytes per parameter (params + optimizer state of
+    one seed, as the vmapped pytrees hold them), timing and mean loss curve."""
+    losses = np.asarray(losses)
+    first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
+    n = tree_size(first(params))
+    return {
+        "task": task,
+        "run": run,
+        "metric": metric,
+        "values": np.asarray(values).tolist(),
+        **extra,
+        "n_params": n,
+        "bytes_per_param": (tree_bytes(first(params)) + tree_bytes(first(opt_state))) / n,
+        "steps": steps,
+        "seconds": time.perf_counter() - start,
+        "loss_curve": losses.mean(axis=0).tolist(),
+        "loss_curve_std": losses.std(axis=0).tolist(),
+    }
+
+
 # -- the digits CNN -------------------------------------------------------------------------------
 
 
@@ -138,22 +159,10 @@ def train_digits(run: str, seeds: int, epochs: int, lr: float, data) -> dict:
     )
     start = time.perf_counter()
     (test_loss, test_acc), losses = jax.jit(jax.vmap(train))(params, stats, opt_state, orders)
-    losses = np.asarray(losses)
-    first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
-    return {
-        "task": "digits CNN",
-        "run": run,
-        "metric": "test accuracy",
-        "values": np.asarray(test_acc).tolist(),
-        "test_loss": np.asarray(test_loss).tolist(),
-        "n_params": tree_size(first(params)),
-        "bytes_per_param": (tree_bytes(first(params)) + tree_bytes(first(opt_state)))
-        / tree_size(first(params)),
-        "steps": steps,
-        "seconds": time.perf_counter() - start,
-        "loss_curve": losses.mean(axis=0).tolist(),
-        "loss_curve_std": losses.std(axis=0).tolist(),
-    }
+    return summary(
+        "digits CNN", run, "test accuracy", test_acc, params, opt_state, steps, start, losses,
+        test_loss=np.asarray(test_loss).tolist(),
+    )  # fmt: skip
 
 
 # -- the character-level Transformer ------------------------------------------------------------
@@ -241,21 +250,10 @@ def train_lm(run: str, seeds: int, steps: int, lr: float, text: np.ndarray) -> d
     ).astype(np.int32)
     start = time.perf_counter()
     test_loss, losses = jax.jit(jax.vmap(train))(params, opt_state, offsets)
-    losses = np.asarray(losses)
-    first = lambda t: jax.tree_util.tree_map(lambda a: a[0], t)
-    return {
-        "task": "char Transformer LM",
-        "run": run,
-        "metric": "held-out loss (nats/char)",
-        "values": np.asarray(test_loss).tolist(),
-        "n_params": tree_size(first(params)),
-        "bytes_per_param": (tree_bytes(first(params)) + tree_bytes(first(opt_state)))
-        / tree_size(first(params)),
-        "steps": steps,
-        "seconds": time.perf_counter() - start,
-        "loss_curve": losses.mean(axis=0).tolist(),
-        "loss_curve_std": losses.std(axis=0).tolist(),
-    }
+    return summary(
+        "char Transformer LM", run, "held-out loss (nats/char)", test_loss, params, opt_state,
+        steps, start, losses,
+    )  # fmt: skip
 
 
 # -- report ---------------------------------------------------------------------------------------
