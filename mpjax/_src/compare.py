@@ -62,14 +62,23 @@ METRICS = ("rms", "max")
 # -- the error metric --------------------------------------------------------------------------
 
 
-def _error(half: Any, ref: Any, metric: str | Callable[..., Any] = "rms") -> float:
+# An output leaf whose float32 scale is below this share of all outputs' scale is zero up to
+# float32 rounding: zero in exact arithmetic (the gradient of an attention key's bias, which
+# softmax ignores). Its error is measured against all outputs' scale instead of its own noise.
+NOISE_SHARE = 2.0**-14
+
+
+def _error(
+    half: Any, ref: Any, metric: str | Callable[..., Any] = "rms", scale: float = 0.0
+) -> float:
     """The error of `half` against the float32 reference `ref` (both arrays), as a float.
 
     "rms": ``||half - ref||_2 / ||ref||_2`` (the normwise relative error), "max":
     ``max|half - ref| / max|ref|``. Both are relative to the reference's scale, not to each
     element, so zeros in the reference do not blow them up. Positions where both are the same
-    infinity or both NaN agree; an inf or NaN on one side only is an error of inf. Against an
-    all-zero reference the error is absolute (the RMS or max of `half`).
+    infinity or both NaN agree; an inf or NaN on one side only is an error of inf. A reference
+    below NOISE_SHARE of `scale` (all outputs' RMS or max) is measured against `scale`; an
+    all-zero reference with no scale gives the absolute error (the RMS or max of `half`).
     """
     h = np.asarray(half, np.float64)
     r = np.asarray(ref, np.float64)
@@ -87,7 +96,27 @@ def _error(half: Any, ref: Any, metric: str | Callable[..., Any] = "rms") -> flo
             num, den = float(np.max(np.abs(d))), float(np.max(np.abs(r)))
         else:
             num, den = float(np.sqrt(np.mean(d * d))), float(np.sqrt(np.mean(r * r)))
+    if den < NOISE_SHARE * scale:
+        den = scale
     return num / den if den > 0 else num
+
+
+def _output_scale(refs: list[Any], metric: Any) -> float:
+    """The scale (RMS, or max for "max") of all the float32 outputs' finite values; 0 for a
+    metric of the user's own."""
+    if callable(metric):
+        return 0.0
+    with np.errstate(all="ignore"):
+        values = [np.asarray(r, np.float64).ravel() for r in refs]
+        values = [v[np.isfinite(v)] for v in values]
+        n = sum(v.size for v in values)
+        if n == 0:
+            return 0.0
+        if metric == "max":
+            scale = max(float(np.max(np.abs(v))) for v in values if v.size)
+        else:
+            scale = math.sqrt(sum(float(np.sum(v * v)) for v in values) / n)
+    return scale
 
 
 def _check_metric(metric: Any) -> str | Callable[..., Any]:
@@ -876,6 +905,7 @@ class _Compared:
     program: _Program
     ref: list[Any]  # the float32 program's output leaves
     floats: list[int]  # positions of the floating output leaves
+    scale: float  # all float32 outputs' scale, for leaves that are zero up to rounding
 
 
 def _compare(
@@ -895,12 +925,13 @@ def _compare(
     shadow = _Shadow(metric)
     consts = [(c, _up(c)) for c in closed.consts]
     outs = shadow.run(closed.jaxpr, consts, [(x, _up(x)) for x in program.dyn], "", ())
+    scale = _output_scale([outs[i][1] for i in floats], metric)
     outputs = tuple(
         OutputError(
             path=program.out_paths[i],
             dtype=np.dtype(out_avals[i].dtype).name,
             shape=tuple(out_avals[i].shape),
-            error=_error(outs[i][0], outs[i][1], metric),
+            error=_error(outs[i][0], outs[i][1], metric, scale),
         )
         for i in floats
     )
@@ -918,7 +949,7 @@ def _compare(
         metric=_metric_name(metric),
         notes=tuple(shadow.notes),
     )
-    return _Compared(report, program, [outs[i][1] for i in floats], floats)
+    return _Compared(report, program, [outs[i][1] for i in floats], floats, scale)
 
 
 _MPJAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -996,6 +1027,13 @@ def compare(
     "max" is ``max|half - f32| / max|f32|``. An inf or NaN on one side only is an error of
     inf; against an all-zero reference the error is absolute. A function ``(half, ref) ->
     float`` of two float64 arrays may be given instead.
+
+    Some outputs are zero in exact arithmetic: the gradient of an attention key's bias
+    (softmax ignores a shift shared by all keys) is float32 rounding noise, 1e-6 to 1e-10 of
+    the other gradients, and its half error relative to that noise would read 1e2 to 1e4. An
+    output leaf whose float32 scale is below 2**-14 of all the outputs' scale (their RMS, or
+    max for "max") is measured against all the outputs' scale instead, and reads as the
+    other leaves do. A custom metric is applied as it is.
 
     Gradients: pass the function that computes them. ``jax.grad(mpjax.autocast(loss,
     policy))`` with ``policy=None`` is exactly what a train step runs; ``compare(jax.grad(loss),
@@ -1160,7 +1198,9 @@ def find_f32_rules(
     ranking whose float32 run meets `tol` (by bisection), then drops each member the others
     do not need. Each trial traces and runs the jitted program with the candidates in
     float32 and measures every floating output leaf (the loss and each gradient leaf, when
-    `fn` returns them) against the float32 program with `metric`; all must be within `tol`.
+    `fn` returns them) against the float32 program with `metric`, as :func:`compare` does
+    (a leaf that is zero in exact arithmetic against all the outputs' scale); all must be
+    within `tol`.
 
     Candidates are Flax module paths when `fn` runs Flax modules (linen; NNX wrapped by
     ``mpjax.flax.wrap``), tried as ``rules={path: "O0"}`` of ``mpjax.flax.wrap``, and JAX
@@ -1244,7 +1284,8 @@ def find_f32_rules(
                 program = _trace(fn, _with_f32_ops(policy, chosen), args, frozenset())
             outs = jax.jit(jc.jaxpr_as_fun(program.closed))(*program.dyn)
             err = max(
-                _error(outs[i], r, metric) for i, r in zip(base.floats, base.ref, strict=True)
+                _error(outs[i], r, metric, base.scale)
+                for i, r in zip(base.floats, base.ref, strict=True)
             )
             trials[chosen] = (err, program)
         return trials[chosen][0]
