@@ -613,6 +613,42 @@ def test_bad_input_gets_errors_that_name_the_fix():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_corpus_models_train_in_bfloat16_as_float32_masters_do(name):
+    # Hugging Face's Flax GPT-2 and BERT (tests/test_corpus_models.py), wrapped at O2: 60 Adam
+    # steps at lr 1e-4 with float32 masters, and with bfloat16 params three ways.
+    from test_corpus_models import CASES
+
+    case = CASES[name]()
+    final = {}
+    for run in ("masters", "nearest", "stochastic", "kahan"):
+        if run == "masters":
+            policy, tx = mpjax.Policy.from_level("O2", "bfloat16"), optax.adam(1e-4)
+        else:
+            policy = mpjax.Policy.from_level("O2", "bfloat16", master_weights=False)
+            state_dtype = None if run == "nearest" else "bfloat16"
+            tx = mpjax.half_updates(optax.adam(1e-4), run, key=1, state_dtype=state_dtype)
+        params, loss = case.init(policy), case.loss(policy)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, loss=loss, tx=tx):
+            (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params, case.batch, case.key)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, value
+
+        for _ in range(60):
+            params, opt_state, value = step(params, opt_state)
+        want = np.float32 if run == "masters" else jnp.bfloat16
+        assert all(leaf.dtype == want for leaf in jax.tree_util.tree_leaves(params))
+        final[run] = float(value)
+    lost = final["nearest"] - final["masters"]
+    assert lost > 0.01, final  # round to nearest loses updates
+    for run in ("stochastic", "kahan"):
+        assert abs(final[run] - final["masters"]) < 0.25 * lost, final
+
+
+@pytest.mark.slow
 def test_half_params_example_quick(tmp_path):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
     example = pytest.importorskip("half_params")
