@@ -508,6 +508,7 @@ def test_example_finds_posenc_and_the_fixed_o2_run_matches_o0():
     assert result["psnr_fixed"] > result["psnr_o0"] - 3
 
 
+@pytest.mark.slow
 def test_example_short_run_finds_posenc():
     example = pytest.importorskip("precision_debugging")
     result = example.main(["--dtype", "float16", "--steps", "50"])

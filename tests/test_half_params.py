@@ -280,6 +280,17 @@ VARIANTS = [
 ]
 
 
+def slow_except(keep, grid):
+    """The cases of `grid` not in `keep` run with the slow marker (CI runs both sets)."""
+    slow = pytest.mark.slow
+    return [
+        case
+        if case in keep
+        else pytest.param(*case if isinstance(case, tuple) else (case,), marks=slow)
+        for case in grid
+    ]
+
+
 def half_state(opt_state):
     found = [
         s
@@ -292,8 +303,13 @@ def half_state(opt_state):
     return found[0]
 
 
-@pytest.mark.parametrize("mode, state_dtype", VARIANTS)
-@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize(
+    "half, mode, state_dtype",
+    slow_except(
+        [("bfloat16", m, d) for m, d in VARIANTS] + [("float16", "stochastic", None)],
+        [(h, m, d) for h in HALVES for m, d in VARIANTS],
+    ),
+)
 def test_a_skipped_step_is_as_if_never_called(half, mode, state_dtype):
     params, loss, _ = problem(half)
     tx = mpjax.loss_scale(
@@ -455,7 +471,9 @@ def test_train_state_wraps_it_in_loss_scale_and_matches_the_functional_step():
     assert isinstance(state.loss_scale, mpjax.DynamicLossScale)
 
 
-@pytest.mark.parametrize("mode, state_dtype", VARIANTS)
+@pytest.mark.parametrize(
+    "mode, state_dtype", slow_except([("stochastic", None), ("kahan", "bfloat16")], VARIANTS)
+)
 def test_orbax_resume_is_bit_identical(tmp_path, mode, state_dtype):
     pytest.importorskip("orbax.checkpoint")
     import mpjax.checkpoint
@@ -514,7 +532,7 @@ def test_state_structure_and_dtypes_are_stable_and_nothing_retraces(half, mode, 
         assert state.compensation[0]["b"].shape == (0,)  # nothing to compensate in float32
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", slow_except(["stochastic"], MODES))
 def test_eager_and_jit_agree(mode, rng):
     params, _, _ = problem("bfloat16")
     grads = [
