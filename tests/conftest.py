@@ -9,6 +9,17 @@ import pytest
 _SEED_KEY = pytest.StashKey[int]()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one process per core this process may run on, at most 4.
+
+    The suite is mostly XLA compilation, one thread per process, so processes scale it to the
+    cores (on 2 cores: 7.3 instead of 10.3 minutes). The cap keeps a many-core machine from
+    starting a JAX runtime, with its memory, per core.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(4, cores or 1))
+
+
 @pytest.fixture
 def rng(request):
     """A freshly seeded NumPy generator: each run draws new inputs (never zeros).
