@@ -20,6 +20,17 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, cores or 1))
 
 
+def slow_except(keep, grid):
+    """`grid`'s cases as pytest params, those not in `keep` marked slow (CI runs both sets)."""
+    return [
+        pytest.param(
+            *(case if isinstance(case, tuple) else (case,)),
+            marks=() if case in keep else pytest.mark.slow,
+        )
+        for case in grid
+    ]
+
+
 @pytest.fixture
 def rng(request):
     """A freshly seeded NumPy generator: each run draws new inputs (never zeros).

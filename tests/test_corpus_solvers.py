@@ -17,6 +17,8 @@ diffrax = pytest.importorskip("diffrax")
 optx = pytest.importorskip("optimistix")
 lx = pytest.importorskip("lineax")
 
+from conftest import slow_except  # noqa: E402
+
 import mpjax  # noqa: E402
 
 # Relative tolerance on the loss and gradients against float32, per half dtype.
@@ -121,12 +123,9 @@ NAMES = ["diffrax-pid", "diffrax-backsolve", "optimistix-newton", "optimistix-ne
 
 @pytest.mark.parametrize(
     "level, half, name",
-    [
-        pytest.param(lv, h, n, marks=() if (lv, h, n) in FAST else pytest.mark.slow)
-        for lv in ("O1", "O2")
-        for h in ("float16", "bfloat16")
-        for n in NAMES
-    ],
+    slow_except(
+        FAST, [(lv, h, n) for lv in ("O1", "O2") for h in ("float16", "bfloat16") for n in NAMES]
+    ),
 )
 def test_trains_under_grad_close_to_float32(level, half, name):
     if name.startswith("optimistix") and jax.__version_info__ < (0, 6, 2):

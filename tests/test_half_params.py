@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_bit_identical, bits
+from conftest import assert_trees_bit_identical, bits, slow_except
 
 import mpjax
 
@@ -278,17 +278,6 @@ VARIANTS = [
     ("kahan", None),
     ("kahan", "bfloat16"),
 ]
-
-
-def slow_except(keep, grid):
-    """The cases of `grid` not in `keep` run with the slow marker (CI runs both sets)."""
-    slow = pytest.mark.slow
-    return [
-        case
-        if case in keep
-        else pytest.param(*case if isinstance(case, tuple) else (case,), marks=slow)
-        for case in grid
-    ]
 
 
 def half_state(opt_state):
