@@ -390,6 +390,180 @@ def test_bilinear_sampling_coordinates(level, dtype):
     assert rel_err(out, ref) < 4 * HALF_EPS[dtype]
 
 
+# -- 7b. coordinates that also index, and loop states moved by small steps -----------------------
+#
+# Both classes came back at O2 once (and nothing caught it): a coordinate that is floored into an
+# index and also used in arithmetic (p - floor(p) is the interpolation weight), when p comes in
+# as an argument or through a jitted helper such as jnp.clip; and a loop state advanced by steps
+# far below half an ulp of itself (explicit Euler: bfloat16 never moves y). Each program is
+# checked at O1-O3 in both halves against float32, its gradient too.
+
+
+def interp1d(table, p):
+    """Linear interpolation of a 1-D table at coordinates p (NeRF-style grids, lookup tables)."""
+    i0 = jnp.floor(p).astype(jnp.int32)
+    f = p - i0
+    i1 = jnp.minimum(i0 + 1, table.shape[0] - 1)
+    return table[i0] * (1 - f) + table[i1] * f
+
+
+def grid_sample(img, yx):
+    """Bilinear sampling at pixel coordinates given as an argument (a spatial transformer's
+    sampler after its grid generator)."""
+    y0, x0 = jnp.floor(yx[:, 0]).astype(jnp.int32), jnp.floor(yx[:, 1]).astype(jnp.int32)
+    wy, wx = yx[:, 0] - y0, yx[:, 1] - x0
+    y1, x1 = jnp.minimum(y0 + 1, img.shape[0] - 1), jnp.minimum(x0 + 1, img.shape[1] - 1)
+    top = img[y0, x0] * (1 - wx) + img[y0, x1] * wx
+    bot = img[y1, x0] * (1 - wx) + img[y1, x1] * wx
+    return top * (1 - wy) + bot * wy
+
+
+def hash_grid(tables, x):
+    """A multiresolution hash encoding (Instant-NGP) of points x in [0, 1]^2: per level, the
+    cell's corners hashed into a feature table and blended by the fractional position."""
+    feats = []
+    for level, table in enumerate(tables):
+        pos = x * (16.0 * 2**level)
+        cell = jnp.floor(pos).astype(jnp.uint32)
+        frac = pos - cell
+        acc = 0.0
+        for dy in (0, 1):
+            for dx in (0, 1):
+                h = ((cell[:, 0] + dy) * jnp.uint32(2654435761)) ^ (cell[:, 1] + dx)
+                w = (frac[:, 0] if dy else 1 - frac[:, 0]) * (frac[:, 1] if dx else 1 - frac[:, 1])
+                acc = acc + table[h % table.shape[0]] * w[:, None]
+        feats.append(acc)
+    return jnp.concatenate(feats, axis=-1)
+
+
+COORDINATE_PROGRAMS = {
+    "interp1d": (interp1d, lambda r: (r.normal(size=64), r.uniform(0, 63, size=2000))),
+    "interp1d_clipped": (
+        lambda t, p: interp1d(t, jnp.clip(p, 0.0, 62.999)),  # jnp.clip is a jitted call
+        lambda r: (r.normal(size=64), r.uniform(-3, 66, size=2000)),
+    ),
+    "grid_sample": (grid_sample, lambda r: (r.normal(size=(64, 64)), r.uniform(0, 63, (2000, 2)))),
+    "hash_grid": (
+        hash_grid,
+        lambda r: ([r.normal(size=(4096, 2)) for _ in range(3)], r.uniform(0, 1, (2000, 2))),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COORDINATE_PROGRAMS))
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_coordinates_that_also_index_keep_their_fraction(name, level, dtype):
+    fn, make = COORDINATE_PROGRAMS[name]
+    table, coords = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), make(rng(12)))
+    ref = np.asarray(fn(table, coords), np.float64)
+    out = run(fn, level, dtype, table, coords)
+    # Only the table values' and weights' own rounding: a weight of 0.634 rounded to 0.625
+    # (bfloat16 p - floor(p) at p near 63) reads 8.8e-2 here, float16's 1.1e-2.
+    assert rel_err(out, ref) < 2 * HALF_EPS[dtype], rel_err(out, ref)
+    c = jnp.asarray(rng(13).normal(size=ref.shape), jnp.float32)
+    loss = lambda f: lambda t: jnp.sum(f(t, coords) * c)
+    g_ref = jax.grad(loss(fn))(table)
+    g = jax.jit(jax.grad(loss(mpjax.autocast(fn, policy(level, dtype)))))(table)
+    assert_grads_close(g, g_ref, dtype)
+
+
+def euler_while(y):
+    """Explicit Euler for y' = -0.9 y in a while loop with a float time counter."""
+
+    def body(c):
+        t, y = c
+        return t + 1e-3, y - 9e-4 * y
+
+    return lax.while_loop(lambda c: c[0] < 3.33, body, (jnp.float32(0.0), y))[1]
+
+
+def euler_masked(y):
+    """Euler steps that stop per element (a solver's done mask): where(t < t_end, step, y)."""
+    t_end = jnp.linspace(1.0, 3.0, y.shape[-1])
+
+    def body(i, y):
+        t = i * 1e-3
+        return jnp.where(t < t_end, y - 9e-4 * y, y)
+
+    return lax.fori_loop(0, 3330, body, y)
+
+
+def rk4_scan(y):
+    """Classic RK4 for y' = -0.9 y + 0.1 sin(y), its steps in lax.scan."""
+    f = lambda y: -0.9 * y + 0.1 * jnp.sin(y)
+    dt = 1e-3
+
+    def step(y, _):
+        k1 = f(y)
+        k2 = f(y + dt / 2 * k1)
+        k3 = f(y + dt / 2 * k2)
+        k4 = f(y + dt * k3)
+        return y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4), None
+
+    return lax.scan(step, y, None, length=3000)[0]
+
+
+_jitted_step = jax.jit(lambda y: y - 9e-4 * y)
+
+LOOP_PROGRAMS = {
+    "euler_while": euler_while,
+    "euler_fori": lambda y: lax.fori_loop(0, 3330, lambda i, y: y - 9e-4 * y, y),
+    "euler_jitted_step": lambda y: lax.fori_loop(0, 3330, lambda i, y: _jitted_step(y), y),
+    "euler_remat_scan": lambda y: lax.scan(
+        jax.checkpoint(lambda y, _: (y - 9e-4 * y, None)), y, None, length=3330
+    )[0],
+    "euler_masked": euler_masked,
+    "rk4_scan": rk4_scan,
+    "scatter_accumulate": lambda y: lax.fori_loop(
+        0, 64000, lambda i, acc: acc.at[i % 64].add(1e-3 * y[i % 64]), y
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOP_PROGRAMS))
+@pytest.mark.parametrize("level,dtype", GRID)
+def test_loop_states_moved_by_small_steps_move(name, level, dtype):
+    fn = LOOP_PROGRAMS[name]
+    y = jnp.asarray(rng(14).uniform(0.5, 1.5, size=(64,)), jnp.float32)
+    ref = np.asarray(fn(y), np.float64)
+    assert rel_err(ref, y) > 0.5  # the state moved far from where it started
+    out = run(fn, level, dtype, y)
+    # Each step's small term is rounded to half (its relative error), the sum is not.
+    assert rel_err(out, ref) < 2 * HALF_EPS[dtype], rel_err(out, ref)
+    # Forward mode: reverse mode does not go through a while loop.
+    t = jnp.asarray(rng(15).normal(size=y.shape), jnp.float32)
+    _, g_ref = jax.jvp(fn, (y,), (t,))
+    _, g = jax.jit(lambda y, t: jax.jvp(mpjax.autocast(fn, policy(level, dtype)), (y,), (t,)))(y, t)
+    assert_grads_close(g, g_ref, dtype)
+
+
+def _eqn_dtypes(closed, name):
+    """The result dtypes of every `name` equation in a jaxpr and its sub-jaxprs."""
+    found = []
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found += [str(v.aval.dtype) for v in eqn.outvars]
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, tuple) else (p,):
+                if hasattr(sub, "jaxpr") and hasattr(sub, "consts"):
+                    found += _eqn_dtypes(sub, name)
+                elif type(sub).__name__ == "Jaxpr":
+                    found += _eqn_dtypes(jax.extend.core.ClosedJaxpr(sub, ()), name)
+    return found
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bulk_math_of_those_programs_still_runs_in_half_at_O2(dtype):
+    f = mpjax.autocast(interp1d, policy("O2", dtype))
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(64), jnp.ones(100))
+    # The weight p - floor(p) is float32; the table values times the weights are half.
+    assert "float32" in _eqn_dtypes(jaxpr, "sub") and dtype in _eqn_dtypes(jaxpr, "mul")
+    f = mpjax.autocast(LOOP_PROGRAMS["euler_fori"], policy("O2", dtype))
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(64))
+    # Only the carry's update is float32; the step's term 9e-4 * y is half.
+    assert _eqn_dtypes(jaxpr, "sub") == ["float32"] and dtype in _eqn_dtypes(jaxpr, "mul")
+
+
 # -- 8. eager calls are cached per signature ------------------------------------------------------
 
 

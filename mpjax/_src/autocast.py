@@ -29,8 +29,10 @@ from mpjax._src.rules import (  # the dtype rules; this module is the machinery 
     _ELEMENTWISE,
     _FILL_OPS,
     _NONE,
+    _PASS_OPS,
     _SCATTERS,
     _STAT,
+    CARRY_OPS,
     SHAPE_OPS,
     Flags,
     _beyond,
@@ -328,6 +330,12 @@ class _Env:
         self.static: set[Any] = set()
         self.known: dict[Any, np.ndarray] = {}
         self.index: set[Any] = set()  # decided values and floats made from integers
+        # A loop body's carries, and those values updated by CARRY_OPS or moved by shape ops
+        # (rules.CARRY_OPS run in the carry's dtype).
+        self.carried: set[Any] = set()
+        # The value each float was moved from by shape ops (yx[:, 0] sliced twice, once for
+        # floor and once for p - floor(p), is one coordinate): facts about uses hold there.
+        self.origin: dict[Any, Any] = {}
         # Floats with no derivative path: every float they are computed from is a literal, a
         # trace-time constant or inert itself (a mask bias made from an integer or boolean
         # mask). Only these saturate when cast down: a clamp of a differentiated value would
@@ -378,6 +386,19 @@ class _Env:
 
     def held_kind(self, v: Any) -> int:
         return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
+
+    def marks(self, v: Any) -> tuple[bool, bool]:
+        """(index, carried) of `v`: the facts an inlined call hands back to its caller."""
+        if isinstance(v, jc.Literal):
+            return False, False
+        return v in self.index, v in self.carried
+
+    def is_carried(self, v: Any) -> bool:
+        return not isinstance(v, jc.Literal) and v in self.carried
+
+    def source(self, v: Any) -> Any:
+        """The value `v` was moved from by shape ops (itself if none)."""
+        return v if isinstance(v, jc.Literal) else self.origin.get(v, v)
 
     def is_inert(self, v: Any) -> bool:
         return isinstance(v, jc.Literal) or v in self.inert
@@ -431,10 +452,14 @@ def _eval_jaxpr(
     in_held: list[int] | None = None,
     in_known: list[Any] | None = None,
     in_inert: list[bool] | None = None,
+    in_marks: list[tuple[bool, bool]] | None = None,
     out_flags: tuple[Flags, ...] | None = None,
     traceback: Any = None,
-) -> tuple[list[Any], list[int]]:
-    """Evaluates `jaxpr` under the policy; returns its outputs and which are held in float32.
+) -> tuple[list[Any], list[int], list[tuple[bool, bool]]]:
+    """Evaluates `jaxpr` under the policy; returns its outputs, which are held in float32, and
+    which are (index, carried) values (see _Env.marks).
+
+    `in_marks` are the inputs' (index, carried) facts, as the caller knows them.
 
     `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
     a cached trace made elsewhere.
@@ -461,6 +486,10 @@ def _eval_jaxpr(
             env.known[v] = in_known[i]
         if in_inert[i] if in_inert is not None else v in env.static:
             env.inert.add(v)
+        if in_marks is not None and in_marks[i][0]:
+            env.index.add(v)
+        if in_marks is not None and in_marks[i][1]:
+            env.carried.add(v)
     for eqn in jaxpr.eqns:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
@@ -476,12 +505,20 @@ def _eval_jaxpr(
         if all(static):
             known = _known_outputs(eqn, [env.known_value(v) for v in eqn.invars])
         inert = all(env.is_inert(v) for v in eqn.invars if _is_float(v.aval.dtype))
+        carried = eqn.primitive.name in _CARRY_PASS and any(
+            env.is_carried(v) for v in eqn.invars if _is_float(v.aval.dtype)
+        )
+        moved = eqn.primitive.name in SHAPE_OPS and not isinstance(eqn.invars[0], jc.Literal)
         for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
             if isinstance(v, jc.DropVar):
                 continue
             env.vals[v] = x
             if inert:
                 env.inert.add(v)
+            if carried and _is_float(v.aval.dtype):
+                env.carried.add(v)
+            if moved and _is_float(v.aval.dtype) and i == 0:
+                env.origin[v] = env.source(eqn.invars[0])
             if holds[i]:
                 env.held[v] = holds[i]
             if all(static):
@@ -489,7 +526,11 @@ def _eval_jaxpr(
                 if known is not None:
                     env.known[v] = known[i]
     outs = [env.read(v) for v in jaxpr.outvars]
-    return outs, [env.held_kind(v) for v in jaxpr.outvars]
+    return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.marks(v) for v in jaxpr.outvars]
+
+
+# Ops whose result is still the loop's carry when an operand is: updates and moves.
+_CARRY_PASS = CARRY_OPS | SHAPE_OPS | _PASS_OPS | {"convert_element_type"}
 
 
 def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
@@ -519,10 +560,10 @@ def _body_evaluator(
 ) -> Callable[[list[Any]], list[Any]]:
     """Evaluates a sub-jaxpr under the policy and casts its outputs back to their traced dtypes
     (loop carries and custom rules need their boundary types unchanged)."""
-    in_static, in_held, out_flags = flags
+    in_static, in_held, out_flags, in_carried = flags
 
     def body(args: list[Any]) -> list[Any]:
-        outs, _ = _eval_jaxpr(
+        outs, _, _ = _eval_jaxpr(
             ctx,
             closed.jaxpr,
             list(closed.consts),
@@ -530,6 +571,7 @@ def _body_evaluator(
             mode,
             in_static=in_static,
             in_held=in_held,
+            in_marks=[(False, c) for c in in_carried],
             out_flags=out_flags,
             traceback=traceback,
         )
@@ -568,29 +610,35 @@ def _sub_flags(
     key: str,
     static: list[bool],
     held: list[int],
+    carried: list[bool],
     facts: _Facts,
     ctx: _Context,
     mode: Any,
-) -> tuple[list[bool], list[int], tuple[Flags, ...] | None]:
-    """What is known about a sub-jaxpr's inputs (static, held) and its outputs' uses."""
+) -> tuple[list[bool], list[int], tuple[Flags, ...] | None, list[bool]]:
+    """What is known about a sub-jaxpr's inputs (static, held, carried) and its outputs' uses.
+
+    A loop's carries are carried values in its body; a remat, cond or custom-rule body sees
+    the facts of the operands it is called with (a scan over remat'ed layers adds inside)."""
     name, p = eqn.primitive.name, eqn.params
     n = len(eqn.invars)
     if name in _CUSTOM_CALLS or name in ("remat2", "checkpoint"):
-        return static, held, tuple(facts.flags(v) for v in eqn.outvars)
+        return static, held, tuple(facts.flags(v) for v in eqn.outvars), carried
     if name == "cond":
-        return static[1:], held[1:], tuple(facts.flags(v) for v in eqn.outvars)
+        return static[1:], held[1:], tuple(facts.flags(v) for v in eqn.outvars), carried[1:]
     if name == "scan":
-        k = p["num_consts"]
-        return static[:k] + [False] * (n - k), held[:k] + [False] * (n - k), None
+        k, nc = p["num_consts"], p["num_carry"]
+        loop = [False] * k + [True] * nc + [False] * (n - k - nc)
+        return static[:k] + [False] * (n - k), held[:k] + [False] * (n - k), None, loop
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         nc = n - cn - bn
         if key == "cond_jaxpr":
-            return static[:cn] + [False] * nc, held[:cn] + [False] * nc, None
+            return static[:cn] + [False] * nc, held[:cn] + [False] * nc, None, [False] * (cn + nc)
         _, _, decided = _while_facts(ctx, eqn, mode)
         out_flags = tuple((i in decided, False) for i in range(nc))
-        return static[cn : cn + bn] + [False] * nc, held[cn : cn + bn] + [False] * nc, out_flags
-    return [False] * n, [False] * n, None
+        body_static = static[cn : cn + bn] + [False] * nc
+        return body_static, held[cn : cn + bn] + [False] * nc, out_flags, [False] * bn + [True] * nc
+    return [False] * n, [False] * n, None, [False] * n
 
 
 def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], Any]:
@@ -617,7 +665,7 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
                 in_held = held * 2
             elif n == nin:  # a forward rule: primals
                 in_held = held
-            outs, _ = _eval_jaxpr(
+            outs, _, _ = _eval_jaxpr(
                 ctx,
                 closed.jaxpr,
                 list(closed.consts),
@@ -703,9 +751,10 @@ def _eval_eqn(
     multiple = eqn.primitive.multiple_results
     static = [env.is_static(v) for v in eqn.invars]
     held = [env.held_kind(v) for v in eqn.invars]
+    carried = [env.is_carried(v) for v in eqn.invars]
     if name in INLINE_CALLS:
         closed = eqn.params[INLINE_CALLS[name]]
-        return _eval_jaxpr(
+        outs, holds, marks = _eval_jaxpr(
             ctx,
             closed.jaxpr,
             list(closed.consts),
@@ -715,14 +764,23 @@ def _eval_eqn(
             in_held=held,
             in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
             in_inert=[env.is_inert(v) for v in eqn.invars],
+            in_marks=[env.marks(v) for v in eqn.invars],
             out_flags=tuple(facts.flags(v) for v in eqn.outvars),
             traceback=tb,
         )
+        # What the call's body learnt (an index made inside jnp.clip, the carry updated inside
+        # a jitted step) holds for its results here too.
+        for v, (is_index, is_carried) in zip(eqn.outvars, marks, strict=True):
+            if is_index:
+                env.index.add(v)
+            if is_carried:
+                env.carried.add(v)
+        return outs, holds
     if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
         extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
         if extra is not None:
             key = "branches" if name == "cond" else "jaxpr"
-            flags = _sub_flags(eqn, key, static, held, facts, ctx, mode)
+            flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
             try:
                 out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
                 return list(out), [False] * nout
@@ -733,7 +791,7 @@ def _eval_eqn(
             params = dict(eqn.params)
             for key in _SUBJAXPR_PARAMS[name]:
                 context = jc.shard_map_context(params) if name == "shard_map" else None
-                flags = _sub_flags(eqn, key, static, held, facts, ctx, mode)
+                flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
                 params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
             wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
             args = _to_traced(invals, [v.aval for v in eqn.invars])
@@ -741,7 +799,10 @@ def _eval_eqn(
             return (list(out) if multiple else [out]), [False] * nout
         except _CannotRebuild:
             if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
-                return _eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
+                outs, holds, _ = _eval_jaxpr(
+                    ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb
+                )
+                return outs, holds
             out = _bind_untouched(eqn, invals)
             return (list(out) if multiple else [out]), [False] * nout
     if name not in _SCATTERS and any(
@@ -772,6 +833,8 @@ def _eval_eqn(
         known,
         out_flags,
         bias_add=name == "add" and env.is_bias_add(eqn),
+        feeds=[facts.flags(v)[0] or facts.flags(env.source(v))[0] for v in eqn.invars],
+        carried=carried,
     )
     if target == "traced" or (
         name == "convert_element_type" and not _is_float(eqn.invars[0].aval.dtype)
@@ -877,7 +940,7 @@ def _trace_leaves(
 
 def evaluate(ctx: _Context, closed: Any, dyn: list[Any], cast_outputs: bool = True) -> list[Any]:
     """Evaluates a traced function under `ctx`'s policy; floating outputs in its output dtype."""
-    outs, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), ctx.policy)
+    outs, _, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), ctx.policy)
     if cast_outputs:
         outs = [_cast(x, ctx.policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
     return outs

@@ -10,7 +10,7 @@ applies it. Two decisions are made here:
 * the dtype an equation runs in (:func:`target_dtype`), from the policy or region, the
   primitive, and what is known about each operand: a trace-time constant and its value, a
   value held in float32 (a statistic, or a float16 activation leaving a float32 region), an
-  index, and the uses above. The README's rule table lists the outcomes.
+  index, a loop-carried sum, and the uses above. The README's rule table lists the outcomes.
 """
 
 from __future__ import annotations
@@ -55,6 +55,17 @@ _GUARD, _STAT = 1, 2
 _CAST_COMMUTES = frozenset({"max", "min", "abs", "neg", "select_n", "clamp", "sign"})
 # Ops for which a constant operand is a fill or a bound: one beyond the half's range saturates.
 _FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
+# Ops that combine a value that feeds a decision with the decision's result: p - floor(p)
+# cancels to the fractional part, which the half rounding of p would lose (an interpolation
+# weight rounded to a multiple of 1/8 for p up to 63 in bfloat16).
+_CANCELS = frozenset({"add", "sub", "add_any"})
+# Ops that pass a loop-carried value on, updated: y - 9e-4 * y, acc.at[i].add(v), a masked
+# step jnp.where(done, y, y_new). Run in the carry's traced dtype, the update is not lost
+# below half an ulp of the carry (an explicit Euler step in bfloat16 never moves y).
+CARRY_OPS = frozenset(
+    {"add", "sub", "add_any", "select_n", "dynamic_update_slice", "scatter", "scatter-add",
+     "scatter-sub"}
+)  # fmt: skip
 # Scatters carry their combiner as a jaxpr param; they follow the policy like other ops.
 _SCATTERS = frozenset(
     {"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"}
@@ -138,6 +149,8 @@ def use_flags(eqn: Any, mode: Any, out_dec: bool, out_f32: bool) -> list[Flags]:
     if name in _DECISION_OPS or not any(_is_float(v.aval.dtype) for v in eqn.outvars):
         return [(True, False)] * n  # floats that become integers, bools or bits decide
     lower, f32 = _op_lists(mode)
+    if name not in ops.KNOWN_OPS and (name in SHAPE_OPS or name in _PASS_OPS):
+        return [(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
     if name in lower or name not in ops.KNOWN_OPS:
         return [_NONE] * n
     if name in f32:
@@ -160,6 +173,8 @@ def target_dtype(
     known: list[Any],
     out_flags: list[Flags],
     bias_add: bool = False,
+    feeds: list[bool] | None = None,
+    carried: list[bool] | None = None,
 ) -> tuple[Any, int]:
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
 
@@ -203,6 +218,9 @@ def target_dtype(
     decides = name in _DECISION_OPS or not fouts or any(f[0] for f in out_flags)
     if name not in lower and (decides or all(not v.aval.shape for v in fouts)):
         return "traced", False  # decisions and scalar bookkeeping (tensor math follows policy)
+    if name in CARRY_OPS and carried is not None and any(carried[i] for i in fin):
+        # The loop's state updated by a small step keeps the dtype it entered the loop with.
+        return _widest(traced), False
     strong_in = [
         i
         for i in fin
@@ -210,6 +228,13 @@ def target_dtype(
     ]
     if name not in lower and strong_in and all(index[i] or static[i] for i in strong_in):
         return "traced", False  # index arithmetic: y - floor(y) for sampling coordinates
+    if (
+        name in _CANCELS
+        and feeds is not None
+        and any(index[i] and not static[i] for i in strong_in)
+        and all(index[i] or static[i] or feeds[i] for i in strong_in)
+    ):
+        return "traced", False  # a coordinate minus its own floor: p - floor(p).astype(int)
     if name in f32 or (name not in lower and fouts and all(f[1] for f in out_flags)):
         return full, _STAT  # f32-list ops and the elementwise producers feeding only them
     hold: int = 0
