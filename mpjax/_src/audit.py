@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,12 +67,17 @@ class Risk:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """A cross-device collective: in the lowered program (explicit, e.g. psum) or inserted
-    by the compiler for sharded arrays (stage "compiled")."""
+    """A cross-device collective: in the lowered program (explicit, e.g. psum, stage
+    "lowered"), or placed by the SPMD partitioner for sharded arrays (stage "partitioned",
+    with its result's shape and bytes per device), or in the backend's optimized program
+    (stage "compiled"; the CPU backend widens bfloat16 collectives to float32 there, so
+    dtypes are read from the "partitioned" stage)."""
 
     kind: str
     dtypes: tuple[str, ...]
     stage: str
+    shape: tuple[int, ...] = ()
+    bytes: int = 0
 
 
 # -- the lowered StableHLO module, walked through the MLIR bindings ------------------------
@@ -475,6 +482,45 @@ def _dtypes_in(text: str) -> tuple[str, ...]:
     return tuple(_TYPE_NAMES[t] for t in re.findall(r"\b(bf16|f16|f32|f64)\[", text))
 
 
+# Bytes per element of HLO's element types.
+_HLO_BYTES = {
+    "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4,
+    "u32": 4, "s64": 8, "u64": 8, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+}  # fmt: skip
+_HLO_PARTITIONED = re.compile(
+    r"=\s*(\(.*?\)|[\w]+\[[^\]]*\](?:\{[^}]*\})?)\s+(all-reduce|all-gather|reduce-scatter|"
+    r"all-to-all|collective-permute)(?:-start)?\("
+)
+
+
+def _partitioned_collectives(text: str) -> list[Collective]:
+    """The collectives of HLO text after SPMD partitioning, with bytes per device."""
+    found = []
+    for m in _HLO_PARTITIONED.finditer(text):
+        arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(1))
+        shape = tuple(int(d) for d in arrays[0][1].split(",") if d) if arrays else ()
+        size = sum(
+            int(np.prod([int(d) for d in dims.split(",") if d])) * _HLO_BYTES.get(t, 4)
+            for t, dims in arrays
+        )
+        dtypes = tuple(_TYPE_NAMES.get(t, t) for t, _ in arrays)
+        found.append(Collective(m.group(2), dtypes, "partitioned", shape, size))
+    return found
+
+
+def _after_partitioning(lowered: Any) -> str | None:
+    """The program's HLO right after SPMD partitioning (None when it has no such pass: one
+    device), from a compile that dumps that pass to a temporary folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        options = {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+        lowered.compile(compiler_options=options)
+        names = sorted(n for n in os.listdir(folder) if "after_spmd-partitioning" in n)
+        if not names:
+            return None
+        with open(os.path.join(folder, names[-1])) as f:
+            return f.read()
+
+
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[[^=]*?\s([\w\-]+)\((.*)$")
 _HLO_MATMUL_TARGET = re.compile(r"gemm|conv|matmul", re.I)
 
@@ -534,8 +580,9 @@ class AuditReport:
       compiled_matmuls: (kind, operand dtypes) of the matmuls in the backend's optimized HLO,
         or None if it could not be compiled. On CPU, XLA may run half matmuls in float32.
       backend: the backend the program was lowered for.
-      collectives: all-reduces, reduce-scatters and all-gathers with their dtypes, explicit
-        ("lowered") and compiler-inserted for sharded arrays ("compiled").
+      collectives: all-reduces, reduce-scatters, all-gathers and all-to-alls with their
+        dtypes, explicit ("lowered"), placed by the SPMD partitioner for sharded arrays
+        ("partitioned", with bytes per device) and in the optimized program ("compiled").
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -551,6 +598,23 @@ class AuditReport:
     compiled_matmuls: tuple[tuple[str, tuple[str, ...]], ...] | None
     backend: str
     collectives: tuple[Collective, ...] = ()
+
+    def collective_bytes(self) -> dict[str, int]:
+        """Bytes per device that the partitioned program's collectives move, by dtype.
+
+        Read from the HLO right after SPMD partitioning, before the backend widens or merges
+        collectives: what a sharded step sends, in the dtypes it chose.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, mpjax
+          >>> mpjax.audit(lambda a: a @ a, jnp.ones((8, 8))).collective_bytes()  # one device
+          {}
+        """
+        totals: dict[str, int] = {}
+        for c in self.collectives:
+            if c.stage == "partitioned" and c.dtypes:
+                totals[c.dtypes[0]] = totals.get(c.dtypes[0], 0) + c.bytes
+        return totals
 
     @property
     def total_flops(self) -> int:
@@ -843,6 +907,10 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
                 compiled_matmuls, inserted = _parse_compiled(text)
                 compiled = tuple(compiled_matmuls)
                 found.collectives += inserted
+            if len(jax.devices()) > 1:
+                partitioned = _after_partitioning(lowered)
+                if partitioned is not None:
+                    found.collectives += _partitioned_collectives(partitioned)
         except Exception:  # noqa: BLE001 - the report stands without the optimized HLO
             compiled = None
     return AuditReport(

@@ -356,8 +356,17 @@ class _Env:
         return jc.literal_array(v) if isinstance(v, jc.Literal) else self.known.get(v)
 
     def cast(
-        self, v: Any, x: Any, dtype: np.dtype, shape: tuple[int, ...], wide_sums: bool = False
+        self,
+        v: Any,
+        x: Any,
+        dtype: np.dtype,
+        shape: tuple[int, ...],
+        wide_sums: bool = False,
+        sharding: Any = None,
     ) -> Any:
+        """`v`'s value `x` cast to `dtype`, broadcast to `shape` first where it grows; the
+        broadcast is typed with `sharding`, that of the result it stands for (see
+        jax_compat.typed_sharding)."""
         if isinstance(v, jc.Literal):
             return _cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
         grows = x.ndim == len(shape) and x.shape != shape and np.dtype(dtype).itemsize < 4
@@ -371,7 +380,7 @@ class _Env:
                 # for it (at O1/O2): XLA fuses the converts, and no float32 copy is made.
                 if x.dtype == dtype:
                     x = jc.convert(x, np.float32)
-                x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)))
+                x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)), out_sharding=sharding)
             self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
 
@@ -861,9 +870,15 @@ def _eval_eqn(
         hold = False
     else:
         out_shape = tuple(eqn.outvars[0].aval.shape) if name in _ELEMENTWISE else None
+        sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
         cast_vals = [
             env.cast(
-                v, x, target, out_shape if out_shape is not None else tuple(x.shape), wide_sums
+                v,
+                x,
+                target,
+                out_shape if out_shape is not None else tuple(x.shape),
+                wide_sums,
+                sharding,
             )
             if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
             else raw

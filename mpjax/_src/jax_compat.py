@@ -46,6 +46,17 @@ def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
     return lax_internal._convert_element_type(x, np.dtype(dtype), weak_type)
 
 
+def typed_sharding(aval: Any) -> Any:
+    """The sharding `aval` carries in its type, where some axis is sharded (Explicit mesh
+    axes), else None. An op that stands for a value of this type must be given it: a
+    broadcast without it is typed replicated, and its transpose all-gathers the cotangent."""
+    sharding = getattr(aval, "sharding", None)  # in the aval from JAX 0.5; None before
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not any(axis is not None for axis in spec):
+        return None
+    return sharding
+
+
 def bind(primitive: Any, args: list[Any], params: dict[str, Any], wrap_rule: Any = None) -> Any:
     """Binds `primitive` with the parameters an equation recorded.
 
