@@ -78,6 +78,7 @@ class Collective:
     stage: str
     shape: tuple[int, ...] = ()
     bytes: int = 0
+    name: str = ""  # the op it came from ("transpose(...)" in it: the backward pass)
 
 
 # -- the lowered StableHLO module, walked through the MLIR bindings ------------------------
@@ -504,7 +505,10 @@ def _partitioned_collectives(text: str) -> list[Collective]:
             for t, dims in arrays
         )
         dtypes = tuple(_TYPE_NAMES.get(t, t) for t, _ in arrays)
-        found.append(Collective(m.group(2), dtypes, "partitioned", shape, size))
+        line = text[m.end() : text.find("\n", m.end())]
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        name = op_name.group(1) if op_name else ""
+        found.append(Collective(m.group(2), dtypes, "partitioned", shape, size, name))
     return found
 
 
