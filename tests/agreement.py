@@ -20,6 +20,7 @@ JAX releases stays under that).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -72,6 +73,7 @@ def rel_err(a: Any, b: Any) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+@functools.cache
 def _programs_autocast() -> dict[str, dict[str, Program]]:
     """The program classes of test_autocast_programs.py, on the inputs its tests use."""
     import test_autocast_programs as t
@@ -177,48 +179,28 @@ def _measure_program(prog: Program, level: str, dtype: str) -> dict[str, float]:
     return out
 
 
-def _solver_cells() -> dict[str, Callable[[str, str], dict[str, float]]]:
-    """The solver corpus (test_corpus_solvers.py): loss and gradients of its programs."""
-    try:
-        import equinox as eqx
-        import test_corpus_solvers as s
-    except ImportError:
-        return {}
+def _solver_cell(name: str, level: str, dtype: str) -> dict[str, float]:
+    """A program of the solver corpus (test_corpus_solvers.py): its loss and gradients."""
+    import equinox as eqx
+    import test_corpus_solvers as s
 
-    def measure(name: str) -> Callable[[str, str], dict[str, float]]:
-        def cell(level: str, dtype: str) -> dict[str, float]:
-            if name.startswith("optimistix") and jax.__version_info__ < (0, 6, 2):
-                return {}  # JAX 0.6.0 cannot differentiate its jaxpr (test_corpus_solvers)
-            loss, model, args = s.programs()[name]
-            policy = mpjax.Policy.from_level(level, dtype)
-            ref = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, *args)
-            mp = eqx.filter_jit(eqx.filter_value_and_grad(mpjax.autocast(loss, policy)))(
-                model, *args
-            )
-            return {"value": rel_err(mp[0], ref[0]), "grad": rel_err(mp[1], ref[1])}
-
-        return cell
-
-    return {name: measure(name) for name in s.NAMES}
+    if name.startswith("optimistix") and jax.__version_info__ < (0, 6, 2):
+        return {}  # JAX 0.6.0 cannot differentiate its jaxpr (test_corpus_solvers)
+    loss, model, args = s.programs()[name]
+    policy = mpjax.Policy.from_level(level, dtype)
+    ref = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, *args)
+    mp = eqx.filter_jit(eqx.filter_value_and_grad(mpjax.autocast(loss, policy)))(model, *args)
+    return {"value": rel_err(mp[0], ref[0]), "grad": rel_err(mp[1], ref[1])}
 
 
-def _model_cells() -> dict[str, Callable[[str, str], dict[str, float]]]:
-    """The model corpus (test_corpus_models.py): loss, logits and gradient direction."""
-    try:
-        import test_corpus_models as m
-    except ImportError:
-        return {}
+def _model_cell(model: str, level: str, dtype: str) -> dict[str, float]:
+    """A model of the model corpus (test_corpus_models.py): loss, logits, gradient direction."""
+    import test_corpus_models as m
 
-    def measure(model: str) -> Callable[[str, str], dict[str, float]]:
-        def cell(level: str, dtype: str) -> dict[str, float]:
-            got = m.measured(model, level, dtype)
-            if not all(got["finite"].values()):
-                return {"value": float("inf")}
-            return {"value": got["logits"], "loss": got["loss"], "grad": got["1 - cos(grads)"]}
-
-        return cell
-
-    return {name: measure(name) for name in m.MODELS}
+    got = m.measured(model, level, dtype)
+    if not all(got["finite"].values()):
+        return {"value": float("inf")}
+    return {"value": got["logits"], "loss": got["loss"], "grad": got["1 - cos(grads)"]}
 
 
 FAMILIES = (
@@ -229,15 +211,20 @@ FAMILIES = (
 
 def cells(family: str) -> dict[str, Callable[[str, str], dict[str, float]]]:
     """`family`'s programs, each as a function of (level, dtype) to its errors."""
-    if family == "solvers":
-        return _solver_cells()
-    if family == "models":
-        return _model_cells()
+    try:
+        if family == "solvers":
+            import equinox  # noqa: F401
+            import test_corpus_solvers as s
+
+            return {name: functools.partial(_solver_cell, name) for name in s.NAMES}
+        if family == "models":
+            import test_corpus_models as m
+
+            return {name: functools.partial(_model_cell, name) for name in m.MODELS}
+    except ImportError:
+        return {}
     programs = _programs_autocast()[family]
-    return {
-        name: (lambda lv, dt, p=prog: _measure_program(p, lv, dt))
-        for name, prog in programs.items()
-    }
+    return {name: functools.partial(_measure_program, prog) for name, prog in programs.items()}
 
 
 def measure(families: tuple[str, ...] = FAMILIES) -> dict[str, dict[str, dict[str, float]]]:

@@ -512,17 +512,20 @@ def _partitioned_collectives(text: str) -> list[Collective]:
     return found
 
 
-def _after_partitioning(lowered: Any) -> str | None:
-    """The program's HLO right after SPMD partitioning (None when it has no such pass: one
-    device), from a compile that dumps that pass to a temporary folder."""
+def _compile(lowered: Any) -> tuple[str | None, str | None]:
+    """(the optimized HLO text, the HLO right after SPMD partitioning) of one compile. The
+    second is None on one device, which has no such pass; on several, the compile dumps
+    that pass to a temporary folder. The text is None where a backend gives none."""
+    if len(jax.devices()) == 1:
+        return lowered.compile().as_text(), None
     with tempfile.TemporaryDirectory() as folder:
         options = {"xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        lowered.compile(compiler_options=options)
+        text = lowered.compile(compiler_options=options).as_text()
         names = sorted(n for n in os.listdir(folder) if "after_spmd-partitioning" in n)
         if not names:
-            return None
+            return text, None
         with open(os.path.join(folder, names[-1])) as f:
-            return f.read()
+            return text, f.read()
 
 
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[[^=]*?\s([\w\-]+)\((.*)$")
@@ -906,15 +909,13 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
     compiled = None
     if compile:
         try:
-            text = lowered.compile().as_text()  # None where a backend has no text of it
+            text, partitioned = _compile(lowered)
             if text is not None:
                 compiled_matmuls, inserted = _parse_compiled(text)
                 compiled = tuple(compiled_matmuls)
                 found.collectives += inserted
-            if len(jax.devices()) > 1:
-                partitioned = _after_partitioning(lowered)
-                if partitioned is not None:
-                    found.collectives += _partitioned_collectives(partitioned)
+            if partitioned is not None:
+                found.collectives += _partitioned_collectives(partitioned)
         except Exception:  # noqa: BLE001 - the report stands without the optimized HLO
             compiled = None
     return AuditReport(

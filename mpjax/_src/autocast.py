@@ -397,10 +397,18 @@ class _Env:
         return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
 
     def marks(self, v: Any) -> tuple[bool, bool]:
-        """(index, carried) of `v`: the facts an inlined call hands back to its caller."""
+        """(index, carried) of `v`: the facts an inlined call and its caller hand each other."""
         if isinstance(v, jc.Literal):
             return False, False
         return v in self.index, v in self.carried
+
+    def mark(self, v: Any, marks: tuple[bool, bool]) -> None:
+        """Records `marks` (see `marks`) for `v`."""
+        is_index, is_carried = marks
+        if is_index:
+            self.index.add(v)
+        if is_carried:
+            self.carried.add(v)
 
     def is_carried(self, v: Any) -> bool:
         return not isinstance(v, jc.Literal) and v in self.carried
@@ -495,10 +503,8 @@ def _eval_jaxpr(
             env.known[v] = in_known[i]
         if in_inert[i] if in_inert is not None else v in env.static:
             env.inert.add(v)
-        if in_marks is not None and in_marks[i][0]:
-            env.index.add(v)
-        if in_marks is not None and in_marks[i][1]:
-            env.carried.add(v)
+        if in_marks is not None:
+            env.mark(v, in_marks[i])
     for eqn in jaxpr.eqns:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
@@ -779,11 +785,8 @@ def _eval_eqn(
         )
         # What the call's body learnt (an index made inside jnp.clip, the carry updated inside
         # a jitted step) holds for its results here too.
-        for v, (is_index, is_carried) in zip(eqn.outvars, marks, strict=True):
-            if is_index:
-                env.index.add(v)
-            if is_carried:
-                env.carried.add(v)
+        for v, m in zip(eqn.outvars, marks, strict=True):
+            env.mark(v, m)
         return outs, holds
     if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
         extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
