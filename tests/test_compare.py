@@ -70,7 +70,10 @@ def net_f64(params, x):
 @pytest.fixture
 def net_data(rng):
     x = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
-    y = jnp.asarray(rng.normal(size=(64, 1)), jnp.float32)
+    # Targets offset from the outputs, so that the residuals share a sign: a loss near its
+    # optimum sums residuals that cancel, and then every half gradient of a bias is noise (the
+    # rounding of each residual, amplified), which is no known answer.
+    y = jnp.asarray(rng.normal(size=(64, 1)) + 3.0, jnp.float32)
     params = Net().init(jax.random.key(int(rng.integers(1 << 30))), x)["params"]
     return params, x, y
 
@@ -358,8 +361,10 @@ def test_report_table_and_plain_data(net_data):
     assert len(report.records()) == len(report.rows) == len(data["rows"])
     local = [r.local_error for r in report.rows]
     assert local == sorted(local, reverse=True)
+    # The max metric is the strictest: after the fix, bfloat16's three Dense layers leave up to
+    # about 2e-2 of the largest output, so the tolerance sits above that.
     found = mpjax.find_f32_rules(
-        lambda p: model.apply({"params": p}, x), None, params, tol=2e-2, metric="max"
+        lambda p: model.apply({"params": p}, x), None, params, tol=5e-2, metric="max"
     )
     json.dumps(found.to_dict())
     assert "rules={'soft': 'O0'}" in str(found)
