@@ -13,6 +13,7 @@ JAX releases stays under that).
     python tests/agreement.py --write    # measure and rewrite the baseline, after a change
                                          # whose every worse cell is explained
     python tests/agreement.py --family loops --family coordinates   # a part of the corpus
+    python tests/agreement.py --reduce-dtype float32   # policies that reduce in float32
 
 ``tests/test_agreement.py`` fails on any cell worse than ``tests/agreement_baseline.json``.
 """
@@ -151,9 +152,17 @@ def _programs_autocast() -> dict[str, dict[str, Program]]:
     return families
 
 
+# The policies' reduce_dtype (--reduce-dtype): None, the default, reduces in the half dtype.
+REDUCE_DTYPE: str | None = None
+
+
+def policy_for(level: str, dtype: str) -> mpjax.Policy:
+    return mpjax.Policy.from_level(level, dtype, reduce_dtype=REDUCE_DTYPE)
+
+
 def _measure_program(prog: Program, level: str, dtype: str) -> dict[str, float]:
     """The value's and the gradient's relative errors under the policy against float32."""
-    policy = mpjax.Policy.from_level(level, dtype).with_output_dtype("float32")
+    policy = policy_for(level, dtype).with_output_dtype("float32")
     mp = mpjax.autocast(prog.fn, policy)
     out = {"value": rel_err(jax.jit(mp)(*prog.args), jax.jit(prog.fn)(*prog.args))}
     if prog.grad is None:
@@ -187,7 +196,7 @@ def _solver_cell(name: str, level: str, dtype: str) -> dict[str, float]:
     if name.startswith("optimistix") and jax.__version_info__ < (0, 6, 2):
         return {}  # JAX 0.6.0 cannot differentiate its jaxpr (test_corpus_solvers)
     loss, model, args = s.programs()[name]
-    policy = mpjax.Policy.from_level(level, dtype)
+    policy = policy_for(level, dtype)
     ref = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, *args)
     mp = eqx.filter_jit(eqx.filter_value_and_grad(mpjax.autocast(loss, policy)))(model, *args)
     return {"value": rel_err(mp[0], ref[0]), "grad": rel_err(mp[1], ref[1])}
@@ -276,7 +285,12 @@ def main() -> int:
     parser.add_argument("--write", action="store_true", help="rewrite the baseline")
     parser.add_argument("--out", type=pathlib.Path, help="also write the measurement here")
     parser.add_argument("--against", type=pathlib.Path, default=BASELINE)
+    parser.add_argument(
+        "--reduce-dtype", help="the policies' reduce_dtype (the model corpus keeps its own)"
+    )
     args = parser.parse_args()
+    global REDUCE_DTYPE
+    REDUCE_DTYPE = args.reduce_dtype
     new = measure(tuple(args.family or FAMILIES))
     if args.out:
         args.out.write_text(json.dumps(new, indent=1, sort_keys=True) + "\n")

@@ -56,8 +56,8 @@ def simplenet_step(policy, tx):
     return step
 
 
-def audit_step(level, half):
-    policy = mpjax.Policy.from_level(level, half)
+def audit_step(level, half, reduce_dtype=None):
+    policy = mpjax.Policy.from_level(level, half, reduce_dtype=reduce_dtype)
     tx = optax.chain(mpjax.loss_scale(scale=policy.loss_scale()), optax.sgd(1e-3))
     params = policy.cast_to_param(simplenet_params(jax.random.key(0)))
     x, y = jnp.ones((32, 64)), jnp.zeros((32, 64))
@@ -72,9 +72,22 @@ def test_autocast_simplenet_step_half_flop_share_and_no_f32_list_op_in_half(leve
     assert len(report.matmuls) == 26
     assert report.half_flop_share == share
     assert report.total_flops == 2 * 32 * 64 * 64 * 26
-    # (JAX lowers half sums with float32 accumulation, and SimpleNet's loss is outside the
-    # model, so even O3 has no f32-list op in half here; see the softmax test below.)
-    assert report.risks == (), [str(r) for r in report.risks]
+    # SimpleNet's loss is outside the model: its only sums are the bias gradients', over the
+    # batch, which run in the policy's reduce dtype: half by default, as the hand-written step
+    # (the audit lists them), float32 when asked for.
+    risks = {(r.op, r.dtype, r.shape) for r in report.risks}
+    assert risks == (set() if level == "O0" else {("reduce_sum", half, (64,))}), risks
+    if level != "O0":
+        wide = audit_step(level, half, reduce_dtype=jnp.float32)
+        assert wide.risks == (), [str(r) for r in wide.risks]
+        # The 9 weight gradients (they contract the batch) write float32 (from half operands;
+        # on CPU, whose runtime rejects some such dots, from float32 ones: JAX 0.6 lowers both
+        # of lax.platform_dependent's branches, so there each is listed twice); the rest is
+        # half.
+        weight = [m for m in wide.matmuls if m.operand_shapes == ((32, 64), (32, 64))]
+        rest = [m for m in wide.matmuls if m not in weight]
+        assert len(weight) in (9, 18) and {m.result_dtype for m in weight} == {"float32"}
+        assert len(rest) == 17 and {m.operand_dtypes for m in rest} == {(half, half)}
     if level == "O0":
         assert report.converts < 5
     d = report.to_dict()
@@ -210,7 +223,8 @@ def test_plain_step_matmul_dtypes_flops_and_sources(dtype, share):
         ((32, 64), (64, 64)),  # input gradient
     }
     assert all(m.source.endswith(MATMUL_LINE) and "dot_general" in m.name for m in report.matmuls)
-    # Each bias gradient sums the batch in `dtype`: in half, a real risk (autocast avoids it).
+    # Each bias gradient sums the batch in `dtype`: in half, a risk (mpjax's reduce_dtype
+    # chooses it).
     risks = {(r.op, r.dtype, r.shape, r.source.rsplit("/", 1)[-1]) for r in report.risks}
     assert risks == (set() if share == 0.0 else {("reduce_sum", dtype, (64,), MATMUL_LINE)})
     assert report.untouched == () and report.misaligned == ()

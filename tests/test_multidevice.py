@@ -5,6 +5,7 @@ file re-runs itself in a subprocess with XLA_FLAGS=--xla_force_host_platform_dev
 """
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -240,7 +241,7 @@ def mlp_block(dtype):
 
 
 def partitioned_step(model, mesh, x):
-    """(collective bytes by dtype, all-gathers) of a jitted data-parallel SGD step."""
+    """The audit of a jitted data-parallel SGD step (params replicated, `x` sharded)."""
     params = jax.jit(lambda x: model.init(jax.random.key(0), x))(x)
     params = jax.device_put(params, NamedSharding(mesh, P()))
 
@@ -248,9 +249,7 @@ def partitioned_step(model, mesh, x):
         g = jax.grad(lambda p: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2))(p)
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
 
-    report = mpjax.audit(jax.jit(step), params, x)
-    gathers = [c for c in report.collectives if c.stage == "partitioned" and c.kind == "all-gather"]
-    return report.collective_bytes(), gathers
+    return mpjax.audit(jax.jit(step), params, x)
 
 
 @needs_8
@@ -264,9 +263,11 @@ def test_explicit_data_parallel_moves_what_the_hand_written_step_moves(level, ha
         x = jax.device_put(
             jax.random.normal(jax.random.key(1), (N * 8, 64)), NamedSharding(mesh, P("data"))
         )
-        hand, _ = partitioned_step(mlp_block(jnp.dtype(half)), mesh, x)
+        hand = partitioned_step(mlp_block(jnp.dtype(half)), mesh, x).collective_bytes()
         policy = mpjax.Policy.from_level(level, half)
-        ours, gathers = partitioned_step(mpjax.flax.wrap(mlp_block(None), policy), mesh, x)
+        report = partitioned_step(mpjax.flax.wrap(mlp_block(None), policy), mesh, x)
+    ours = report.collective_bytes()
+    gathers = [c for c in report.collectives if c.stage == "partitioned" and c.kind == "all-gather"]
     # The broadcasts autocast adds (a bias's, so that its gradient sums in float32) carry the
     # batch sharding: a replicated one all-gathered the whole activation cotangent.
     assert not gathers, gathers
@@ -276,7 +277,7 @@ def test_explicit_data_parallel_moves_what_the_hand_written_step_moves(level, ha
     assert sum(ours.values()) <= 1.02 * sum(hand.values()), (ours, hand)
 
 
-def embed_model(dtype, positions=False):
+def embed_model(dtype, positions=False, norm=False):
     nn = pytest.importorskip("flax.linen")
 
     class LM(nn.Module):
@@ -286,14 +287,26 @@ def embed_model(dtype, positions=False):
             if positions:  # a learned positional table, added to every row of the batch
                 pos = self.param("pos", nn.initializers.normal(0.02), (ids.shape[1], 64))
                 x = x + (pos.astype(dtype) if dtype else pos)
+            if norm:  # the looked-up rows go straight into a (float32) norm
+                x = nn.LayerNorm(dtype=dtype)(x)
             x = nn.gelu(nn.Dense(128, dtype=dtype)(x))
             return nn.Dense(128, dtype=dtype)(x).astype(jnp.float32)
 
     return LM()
 
 
+def fsdp_tp_mesh_and_ids():
+    """A 4x2 ("data", "model") mesh of Auto axes, and a batch of token ids sharded over data."""
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    ids = jax.device_put(
+        np.random.default_rng(0).integers(0, 128, (16, 32)).astype(np.int32),
+        NamedSharding(mesh, P("data")),
+    )
+    return mesh, ids
+
+
 def fsdp_tp_collectives(model, mesh, ids):
-    """The partitioned collectives of an FSDP x tensor-parallel train step (Auto axes)."""
+    """The audit of an FSDP x tensor-parallel train step (Auto axes)."""
 
     def spec(path, a):
         name = jax.tree_util.keystr(path)
@@ -313,53 +326,105 @@ def fsdp_tp_collectives(model, mesh, ids):
         ).mean()
         return jax.tree.map(lambda a, g: a - 0.1 * g, p, jax.grad(loss)(p))
 
-    report = mpjax.audit(jax.jit(step, out_shardings=shardings), params, ids)
-    return [c for c in report.collectives if c.stage == "partitioned"]
+    return mpjax.audit(jax.jit(step, out_shardings=shardings), params, ids)
 
 
-LOOKUP_IN_F32 = pytest.mark.xfail(
+NORM_BACKWARD_IN_F32 = pytest.mark.xfail(
+    condition=bool(jax.config.jax_use_shardy_partitioner),  # GSPMD (JAX 0.6) moves it in half
     strict=True,
-    reason="autocast gathers from the float32 table and casts after the lookup, so the "
-    "tensor-parallel lookup's forward all-reduce moves float32 where the hand-written step, "
-    "which casts the table first, moves half",
-)
-POSITIONS_IN_F32 = pytest.mark.xfail(
-    strict=True,
-    reason="the positional table is broadcast over the batch in float32, so that its gradient "
-    "sums in float32, and the partitioner reshards it before the cast: a forward all-gather "
-    "of float32 where the hand-written step moves half",
+    reason="Shardy reshards the cotangent inside the float32 norm's backward, where the "
+    "hand-written step reshards it in half after the norm: an all-to-all of float32 (the "
+    "float32 islands' backward, issue 31's); the lookup itself now moves half",
 )
 
 
 @needs_8
 @pytest.mark.parametrize(
-    "level, positions",
+    "level, positions, norm",
     [
-        pytest.param("O1", False, marks=LOOKUP_IN_F32),
-        pytest.param("O2", False, marks=LOOKUP_IN_F32),
-        pytest.param("O2", True, marks=POSITIONS_IN_F32),
+        ("O1", False, False),
+        ("O2", False, False),
+        ("O2", True, False),
+        pytest.param("O2", False, True, marks=NORM_BACKWARD_IN_F32),
     ],
 )
-def test_auto_fsdp_tp_moves_embeddings_in_half(level, positions):
+def test_auto_fsdp_tp_moves_embeddings_in_half(level, positions, norm):
+    import mpjax.flax
+
+    mesh, ids = fsdp_tp_mesh_and_ids()
+    hand = fsdp_tp_collectives(embed_model(jnp.bfloat16, positions, norm), mesh, ids)
+    policy = mpjax.Policy.from_level(level, "bfloat16")
+    model = mpjax.flax.wrap(embed_model(None, positions, norm), policy)
+    ours = fsdp_tp_collectives(model, mesh, ids)
+    # Autocast casts the table before the lookup and the positional table before its
+    # broadcast (it moves half, as `.astype` first does): nothing moves float32 where the
+    # hand-written step moves half, forward or backward (before: the lookup's all-reduce and
+    # the positional table's all-gather, in float32). At O2 a lookup is half even where a
+    # float32 norm takes the rows, as the hand-written step's.
+    ours.assert_collectives_in(policy, reference=hand)
+    total = lambda r: sum(r.collective_bytes().values())
+    assert total(ours) <= 1.0 * total(hand), (ours.collective_bytes(), hand.collective_bytes())
+
+
+@needs_8
+def test_the_policy_reduce_dtype_is_the_dtype_of_the_gradient_collectives():
+    import mpjax.flax
+
+    mesh, context = explicit_mesh()
+    with context:
+        x = jax.device_put(
+            jax.random.normal(jax.random.key(1), (N * 8, 64)), NamedSharding(mesh, P("data"))
+        )
+        reports = {"hand": (None, partitioned_step(mlp_block(jnp.bfloat16), mesh, x))}
+        for reduce in (None, jnp.float32):
+            policy = mpjax.Policy.from_level("O2", "bfloat16", reduce_dtype=reduce)
+            model = mpjax.flax.wrap(mlp_block(None), policy)
+            reports[reduce] = (policy, partitioned_step(model, mesh, x))
+        shapes = jax.eval_shape(lambda: mlp_block(None).init(jax.random.key(0), x))
+    sizes = {a.size for a in jax.tree_util.tree_leaves(shapes)}  # kernels, biases, norm scales
+
+    def grad_reduces(report):
+        return sorted(
+            (c.shape, c.dtypes[0])
+            for c in report.collectives
+            if c.stage == "partitioned" and c.kind == "all-reduce" and math.prod(c.shape) in sizes
+        )
+
+    hand = grad_reduces(reports["hand"][1])
+    assert len(hand) == 6  # two kernels, two biases, the norm's scale and bias
+    # By default every gradient is reduced in the dtype the hand-written step reduces it in:
+    # the Dense ones in half, the norm's in float32 (Flax's LayerNorm computes in float32).
+    policy, report = reports[None]
+    assert grad_reduces(report) == hand
+    report.assert_collectives_in(policy, reference=reports["hand"][1])
+    # Asked for float32, all are: kernels from half matmuls that write float32, biases from
+    # float32 sums.
+    policy, report = reports[jnp.float32]
+    assert grad_reduces(report) == sorted((shape, "float32") for shape, _ in hand)
+    report.assert_collectives_in(policy)
+    half, wide = (sum(reports[r][1].collective_bytes().values()) for r in (None, jnp.float32))
+    assert 1.8 * half <= wide <= 2.05 * half, (half, wide)
+
+
+@needs_8
+def test_auto_fsdp_tp_lookup_into_a_norm_moves_half_forward():
     import collections
 
     import mpjax.flax
 
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
-    ids = jax.device_put(
-        np.random.default_rng(0).integers(0, 128, (16, 32)).astype(np.int32),
-        NamedSharding(mesh, P("data")),
-    )
-    hand = fsdp_tp_collectives(embed_model(jnp.bfloat16, positions), mesh, ids)
-    policy = mpjax.Policy.from_level(level, "bfloat16")
-    ours = fsdp_tp_collectives(mpjax.flax.wrap(embed_model(None, positions), policy), mesh, ids)
-    key = lambda c: (c.kind, c.shape, c.dtypes[0] if c.dtypes else "")
-    extra = collections.Counter(map(key, ours)) - collections.Counter(map(key, hand))
-    # Forward, nothing moves float32 where the hand-written step moves half. What may move
-    # float32 beyond it is on the gradient path, whose sums (a bias's, the embedding rows')
-    # autocast keeps in float32.
-    forward_f32 = [
-        c for c in ours if key(c) in extra and key(c)[2] == "float32" and "transpose(" not in c.name
-    ]
-    assert not forward_f32, forward_f32
-    assert sum(c.bytes for c in ours) <= 1.07 * sum(c.bytes for c in hand)
+    mesh, ids = fsdp_tp_mesh_and_ids()
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    hand = fsdp_tp_collectives(embed_model(jnp.bfloat16, norm=True), mesh, ids)
+    ours = fsdp_tp_collectives(mpjax.flax.wrap(embed_model(None, norm=True), policy), mesh, ids)
+
+    def forward_f32(report):
+        return collections.Counter(
+            (c.kind, c.shape)
+            for c in report.collectives
+            if c.stage == "partitioned" and "transpose(" not in c.name and c.dtypes[0] == "float32"
+        )
+
+    # The rows go straight into a float32 norm; at O2 the table is half (as apex's O2 model and
+    # the hand-written step's), so the lookup's all-reduce moves half (it moved float32): the
+    # forward's float32 collectives are the norm's statistics, as the hand-written step's.
+    assert forward_f32(ours) - forward_f32(hand) == collections.Counter(), forward_f32(ours)

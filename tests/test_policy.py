@@ -424,3 +424,32 @@ def test_loss_scaling_asked_for_with_bfloat16_warns_once(monkeypatch):
         warnings.simplefilter("error")
         mpjax.Policy.from_level("O2", "float16", loss_scale="dynamic")
         mpjax.Policy.from_level("O2", "bfloat16")
+
+
+def test_reduce_dtype_defaults_to_compute_and_round_trips_through_the_grammar():
+    o2 = mpjax.Policy.from_level("O2", "float16")
+    assert o2.reduce_dtype is None and o2.gradient_dtype == jnp.float16
+    assert o2.gather_dtype == jnp.float16
+    wide = mpjax.Policy.from_level("O2", "float16", reduce_dtype="f32")
+    assert wide.reduce_dtype == jnp.float32 and wide.gradient_dtype == jnp.float32
+    assert str(wide) == "p=full,c=f16,o=full,r=full"
+    assert mpjax.get_policy(str(wide)) == mpjax.Policy(
+        jnp.float32, jnp.float16, jnp.float32, reduce_dtype=jnp.float32
+    )
+    assert str(o2) == "p=full,c=f16,o=full"  # jmp's string when the key is unused
+    assert mpjax.Policy.from_level("O0").gradient_dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "level, half, reduce, words",
+    [
+        ("O2", "bfloat16", jnp.int32, "must be a floating dtype"),
+        ("O2", "bfloat16", jnp.float64, "jax_enable_x64"),
+        ("O2", "bfloat16", jnp.float16, "reduce_dtype=bfloat16"),
+        ("O0", None, jnp.bfloat16, "level that computes in half"),
+        ("O1", "float16", "f17", "Unknown dtype"),
+    ],
+)
+def test_a_reduce_dtype_that_makes_no_sense_names_the_fix(level, half, reduce, words):
+    with pytest.raises(ValueError, match=words):
+        mpjax.Policy.from_level(level, half, reduce_dtype=reduce)

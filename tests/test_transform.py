@@ -490,3 +490,70 @@ def test_wrap_form_keeps_a_prng_key_in_the_inner_state_on_a_skipped_step():
         )
     )
     assert int(new.inner_state["count"]) == 1
+
+
+def test_accumulate_gradients_sums_half_gradients_in_float32():
+    policy = mpjax.Policy.from_level("O3", "float16")
+    rng = np.random.default_rng(0)
+    w32 = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32) / 4
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(64, 16)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(64, 4)), jnp.float32),
+    }
+    model = mpjax.autocast(lambda w, x: jnp.tanh(x @ w), policy)
+    loss = lambda w, b: jnp.mean((model(w, b["x"]).astype(jnp.float32) - b["y"]) ** 2)
+    # The reference: float32 params and program, the whole batch at once.
+    ref = jax.grad(lambda w, b: jnp.mean((jnp.tanh(b["x"] @ w) - b["y"]) ** 2))(w32, batch)
+    w16 = w32.astype(jnp.float16)
+    wide = mpjax.accumulate_gradients(jax.grad(loss), w16, batch, 8)
+    narrow = mpjax.accumulate_gradients(jax.grad(loss), w16, batch, 8, dtype=None)
+    assert wide.dtype == narrow.dtype == jnp.float16
+    err = lambda g: float(jnp.linalg.norm(g.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    whole = err(jax.grad(loss)(w16, batch))
+    assert err(wide) <= 1.5 * whole + 1e-3, (err(wide), whole)
+    # A sum of half gradients can overflow though every microbatch's is finite.
+    big = lambda w, b: jnp.sum(b["x"]).astype(jnp.float16) * w  # gradient: sum(x), per slice
+    x = {"x": jnp.full((8, 1), 1.5e4, jnp.float32)}
+    g16 = mpjax.accumulate_gradients(jax.grad(big), jnp.float16(1), x, 4, dtype=None)
+    g32 = mpjax.accumulate_gradients(jax.grad(big), jnp.float16(1), x, 4)
+    assert not np.isfinite(float(g16)) and float(g32) == 3e4
+
+
+def test_an_overflowing_microbatch_skips_the_whole_step():
+    policy = mpjax.Policy.from_level("O2", "float16")
+    params = {"w": jnp.ones((4, 2)) / 4}
+    tx = mpjax.loss_scale(optax.adam(1e-2), scale=mpjax.DynamicLossScale(2.0**8))
+    state = tx.init(params)
+    model = mpjax.autocast(lambda p, x: x @ p["w"], policy)
+
+    @jax.jit
+    def step(params, state, x):
+        scale = mpjax.get_loss_scale(state)
+        grad_fn = jax.grad(lambda p, x: scale.scale(jnp.mean(model(p, x).astype(jnp.float32) ** 2)))
+        grads = mpjax.accumulate_gradients(grad_fn, params, x, 4)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    x = jnp.ones((16, 4))
+    params1, state1 = step(params, state, x)
+    params2, state2 = step(params1, state1, x.at[13].set(7e4))  # one row of microbatch 1
+    assert bool(mpjax.loss_scale_metrics(state1)["last_step_finite"])
+    assert not bool(mpjax.loss_scale_metrics(state2)["last_step_finite"])
+    for a, b in zip(
+        jax.tree.leaves((params2, state2.inner_state)),
+        jax.tree.leaves((params1, state1.inner_state)),
+    ):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert int(mpjax.loss_scale_metrics(state2)["skipped_steps"]) == 1
+
+
+@pytest.mark.parametrize(
+    "k, dtype, words",
+    [(3, jnp.float32, "cannot be split into 3"), (0, jnp.float32, "positive int"),
+     (2, jnp.int32, "not floating")],
+)  # fmt: skip
+def test_accumulate_gradients_bad_input_names_the_fix(k, dtype, words):
+    with pytest.raises(ValueError, match=words):
+        mpjax.accumulate_gradients(
+            jax.grad(lambda w, x: jnp.sum(x * w)), 1.0, jnp.ones(8), k, dtype=dtype
+        )

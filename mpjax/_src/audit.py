@@ -4,6 +4,7 @@ matmuls, converts and half-precision risks."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -738,6 +739,59 @@ class AuditReport:
             ]
             raise AssertionError(
                 f"{len(bad)} of {len(self.matmuls)} matmuls are not in {want}:\n" + "\n".join(lines)
+            )
+
+    def assert_collectives_in(self, policy: Any, reference: AuditReport | None = None) -> None:
+        """Raises AssertionError naming each collective that moves float32 (or float64) where
+        `policy` computes in half, beyond what it asks for and what `reference` moves.
+
+        Read from the program after SPMD partitioning (stage "partitioned"). Allowed wide:
+        gradient reductions (the backward pass's all-reduces and reduce-scatters) when the
+        policy reduces in float32 (:attr:`mpjax.Policy.reduce_dtype`), and, with a
+        `reference` (the audit of the hand-written half step), the wide collectives it moves
+        too, matched by kind, shape and dtype (a loss's or a norm's float32 statistics).
+        Nothing to check on one device, or for a policy that computes in float32.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, mpjax
+          >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
+          >>> mpjax.audit(lambda a: a @ a, jnp.ones((8, 8))).assert_collectives_in(policy)
+        """
+        if not policy.half:
+            return
+        asked = np.dtype(policy.gradient_dtype).itemsize >= 4
+        wide = [
+            c
+            for c in self.collectives
+            if c.stage == "partitioned"
+            and c.dtypes
+            and c.dtypes[0] in ("float32", "float64")
+            and not (
+                asked and c.kind in ("all-reduce", "reduce-scatter") and "transpose(" in c.name
+            )
+        ]
+        if reference is not None:
+            key = lambda c: (c.kind, c.shape, c.dtypes[0] if c.dtypes else "")
+            budget = collections.Counter(
+                key(c) for c in reference.collectives if c.stage == "partitioned"
+            )
+            kept = []
+            for c in wide:
+                if budget[key(c)] > 0:
+                    budget[key(c)] -= 1
+                else:
+                    kept.append(c)
+            wide = kept
+        if wide:
+            lines = [
+                f"  {c.kind} {c.dtypes[0]}{list(c.shape)} {c.bytes} B/device "
+                f"({c.name or 'unnamed'})"
+                for c in wide
+            ]
+            raise AssertionError(
+                f"{len(wide)} collectives move {wide[0].dtypes[0]} where the policy "
+                f"({policy}) computes in {np.dtype(policy.compute_dtype).name} and reduces "
+                f"gradients in {np.dtype(policy.gradient_dtype).name}:\n" + "\n".join(lines)
             )
 
     def __str__(self) -> str:

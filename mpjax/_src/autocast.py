@@ -16,7 +16,7 @@ import functools
 import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -321,6 +321,15 @@ def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
 # -- machinery: evaluate a jaxpr, rebuilding higher-order primitives ------------------------------
 
 
+class Marks(NamedTuple):
+    """Facts of a value that cross an inlined call's boundary: it is an index (a decision or
+    made from one), a loop's carry, and its half twins by dtype (see _Env.twins)."""
+
+    is_index: bool
+    is_carried: bool
+    twins: dict[np.dtype, Any]
+
+
 class _Env:
     """Per-jaxpr evaluation state: values, and what is known about each."""
 
@@ -343,8 +352,14 @@ class _Env:
         self.inert: set[Any] = set()
         self.lowered: set[Any] = set()  # results of lower-list ops (matmuls, convolutions)
         self.spread: set[Any] = set()  # results of a broadcast that grows a value (JAX 0.6)
+        self.args: set[Any] = set()  # the jaxpr's inputs: params, where gradients end
         # one convert per value and dtype, not per use
         self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
+        # Half twins of moved float32 values: the same gather, slice or reshape applied to the
+        # value's half cast (see _Env.move). A consumer that casts the moved value to that
+        # half takes the twin, so the movement, and the collective a partitioner puts on it,
+        # moves half bytes, as `.astype` before `jnp.take` does; the unused one is dead code.
+        self.twins: dict[tuple[Any, np.dtype], Any] = {}
 
     def read(self, v: Any) -> Any:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
@@ -364,25 +379,68 @@ class _Env:
         wide_sums: bool = False,
         sharding: Any = None,
     ) -> Any:
-        """`v`'s value `x` cast to `dtype`, broadcast to `shape` first where it grows; the
-        broadcast is typed with `sharding`, that of the result it stands for (see
-        jax_compat.typed_sharding)."""
+        """`v`'s value `x` cast to `dtype`. Where the op broadcasts it to `shape` (it grows)
+        and `wide_sums` (see _eval_eqn's wide_sums and wide_grads), it is broadcast in float32
+        first, typed with `sharding`, that of the result it stands for (see
+        jax_compat.typed_sharding): the broadcast's transpose, the gradient's sum, then runs in
+        float32 (a bias's gradient), not in half."""
         if isinstance(v, jc.Literal):
             return _cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
-        grows = x.ndim == len(shape) and x.shape != shape and np.dtype(dtype).itemsize < 4
-        if x.dtype == dtype and not (grows and wide_sums):
+        wide = wide_sums and x.ndim == len(shape) and x.shape != shape
+        wide = wide and np.dtype(dtype).itemsize < 4
+        twin = self.twins.get((v, np.dtype(dtype)))
+        if twin is not None and not wide:
+            x = twin  # the same values, moved in half (see move)
+        if x.dtype == dtype and not wide:
             return x
         key = (v, np.dtype(dtype), shape)
         if key not in self.casts:
-            if grows:
-                # Broadcast in float32 before casting down: the transpose is then a float32
-                # sum (a bias gradient), not a half one. A half value goes up and back down
-                # for it (at O1/O2): XLA fuses the converts, and no float32 copy is made.
+            if wide:
+                # A half value goes up and back down for it (at O1/O2): XLA fuses the
+                # converts, and no float32 copy is made.
                 if x.dtype == dtype:
                     x = jc.convert(x, np.float32)
                 x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)), out_sharding=sharding)
             self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
+
+    def move(self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool) -> None:
+        """Makes the half twin of a data movement's result (see `twins`): the op applied to
+        its operand's twin, or to the operand's half cast, where the operand is a float32
+        value that is no constant and no statistic.
+
+        A movement whose transpose sums (a broadcast that grows a value, a gather that takes
+        one row many times) then sums the gradient in half, as the hand-written step's does
+        and as the policy's `reduce_dtype` says by default. With `wide_grads` (float32
+        reduction asked for), growing broadcasts get no twin and a gather's twin transposes
+        to a float32 scatter-add."""
+        v, x = eqn.invars[0], invals[0]
+        out = eqn.outvars[0]
+        if isinstance(v, jc.Literal) or isinstance(out, jc.DropVar):
+            return
+        name = eqn.primitive.name
+        if wide_grads and name == "broadcast_in_dim" and _size(out) > _size(v):
+            return
+        src = self.twins.get((v, half))
+        plain = v not in self.static and not self.held_kind(v) and v not in self.carried
+        if not (plain and getattr(x, "dtype", None) == np.float32):
+            if src is None or name == "gather":  # only a twin moves on, and not by a gather
+                return
+        if wide_grads and name == "gather":
+            # It gathers half bytes but transposes as the float32 gather did: the rows an
+            # embedding lookup takes many times sum in float32.
+            gather = _gather_half(eqn.params, half, jc.aval_of(x))
+            self.twins[(out, half)] = gather(x, *invals[1:])
+            return
+        try:
+            if src is None:
+                src = self.cast(v, x, half, tuple(x.shape))
+            self.twins[(out, half)] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
+        except ValueError:
+            # A reshard or mesh_cast whose equation runs under another mesh than its
+            # operand's type: the cast cannot be made there, so no twin; the cast comes after
+            # the movement, as without one.
+            return
 
     def is_bias_add(self, eqn: Any) -> bool:
         """Whether an add adds a smaller, broadcast value (a bias) to a matmul's result."""
@@ -396,22 +454,29 @@ class _Env:
     def held_kind(self, v: Any) -> int:
         return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
 
-    def marks(self, v: Any) -> tuple[bool, bool]:
-        """(index, carried) of `v`: the facts an inlined call and its caller hand each other."""
+    def marks(self, v: Any) -> Marks:
+        """What is known of `v` that an inlined call and its caller hand each other."""
         if isinstance(v, jc.Literal):
-            return False, False
-        return v in self.index, v in self.carried
+            return Marks(False, False, {})
+        twins = {d: t for (u, d), t in self.twins.items() if u is v}
+        return Marks(v in self.index, v in self.carried, twins)
 
-    def mark(self, v: Any, marks: tuple[bool, bool]) -> None:
+    def mark(self, v: Any, marks: Marks) -> None:
         """Records `marks` (see `marks`) for `v`."""
-        is_index, is_carried = marks
-        if is_index:
+        if marks.is_index:
             self.index.add(v)
-        if is_carried:
+        if marks.is_carried:
             self.carried.add(v)
+        for dtype, twin in marks.twins.items():
+            self.twins[(v, dtype)] = twin
 
     def is_carried(self, v: Any) -> bool:
         return not isinstance(v, jc.Literal) and v in self.carried
+
+    def is_param(self, v: Any) -> bool:
+        """Whether `v` is an input of the jaxpr, moved by shape ops at most: a param, whose
+        gradient the policy's reduce dtype governs (not an activation)."""
+        return not isinstance(v, jc.Literal) and self.source(v) in self.args
 
     def source(self, v: Any) -> Any:
         """The value `v` was moved from by shape ops (itself if none)."""
@@ -469,14 +534,14 @@ def _eval_jaxpr(
     in_held: list[int] | None = None,
     in_known: list[Any] | None = None,
     in_inert: list[bool] | None = None,
-    in_marks: list[tuple[bool, bool]] | None = None,
+    in_marks: list[Marks] | None = None,
     out_flags: tuple[Flags, ...] | None = None,
     traceback: Any = None,
-) -> tuple[list[Any], list[int], list[tuple[bool, bool]]]:
+) -> tuple[list[Any], list[int], list[Marks]]:
     """Evaluates `jaxpr` under the policy; returns its outputs, which are held in float32, and
-    which are (index, carried) values (see _Env.marks).
+    and their marks (see _Env.marks).
 
-    `in_marks` are the inputs' (index, carried) facts, as the caller knows them.
+    `in_marks` are the inputs' marks, as the caller knows them.
 
     `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
     a cached trace made elsewhere.
@@ -493,6 +558,7 @@ def _eval_jaxpr(
         ):
             if np.size(x) <= _KNOWN_LIMIT:
                 env.known[v] = np.asarray(x)
+    env.args.update(jaxpr.invars)
     for i, (v, x) in enumerate(zip(jaxpr.invars, args, strict=True)):
         env.vals[v] = x
         if in_static[i] if in_static is not None else not _is_float(v.aval.dtype):
@@ -586,7 +652,7 @@ def _body_evaluator(
             mode,
             in_static=in_static,
             in_held=in_held,
-            in_marks=[(False, c) for c in in_carried],
+            in_marks=[Marks(False, c, {}) for c in in_carried],
             out_flags=out_flags,
             traceback=traceback,
         )
@@ -680,15 +746,19 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
                 in_held = held * 2
             elif n == nin:  # a forward rule: primals
                 in_held = held
-            outs, _, _ = _eval_jaxpr(
-                ctx,
-                closed.jaxpr,
-                list(closed.consts),
-                [args[i] for i in dynamic],
-                mode,
-                in_static=[False] * n,
-                in_held=in_held,
-            )
+            token = IN_RULE.set(True)
+            try:
+                outs, _, _ = _eval_jaxpr(
+                    ctx,
+                    closed.jaxpr,
+                    list(closed.consts),
+                    [args[i] for i in dynamic],
+                    mode,
+                    in_static=[False] * n,
+                    in_held=in_held,
+                )
+            finally:
+                IN_RULE.reset(token)
             values = iter(_to_traced(outs, closed.out_avals))
             return [next(values) if _is_value(o) else o for o in passed]
 
@@ -786,7 +856,8 @@ def _eval_eqn(
         # What the call's body learnt (an index made inside jnp.clip, the carry updated inside
         # a jitted step) holds for its results here too.
         for v, m in zip(eqn.outvars, marks, strict=True):
-            env.mark(v, m)
+            if not isinstance(v, jc.DropVar):
+                env.mark(v, m)
         return outs, holds
     if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
         extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
@@ -852,8 +923,20 @@ def _eval_eqn(
         name == "convert_element_type" and not _is_float(eqn.invars[0].aval.dtype)
     ):
         env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
+    # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
+    # grouped-query attention's repeated keys) run in float32 at O1/O2: no gradient leaves the
+    # device for them. Those of float32 values cast to half (a bias, a positional table, an
+    # embedding row) are the gradients' own sums: they run in the policy's reduce dtype.
     wide_sums = isinstance(mode, Policy) and mode.level in ("O1", "O2") and mode.half
-    if target is None and wide_sums and _grows_half(eqn, invals):
+    wide_grads = (
+        not IN_RULE.get()
+        and isinstance(mode, Policy)
+        and mode.half
+        and mode.level != "O0"
+        and mode.gradient_dtype.itemsize >= 4
+    )
+    param = bool(eqn.invars) and env.is_param(eqn.invars[0])
+    if target is None and (wide_sums or (wide_grads and param)) and _grows_half(eqn, invals):
         # A broadcast that grows a half value: its transpose sums the cotangent over the new
         # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
         # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
@@ -861,6 +944,18 @@ def _eval_eqn(
         out = jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
     elif target is None:
         out = jc.bind(eqn.primitive, invals, eqn.params)
+        if name in _MOVES and isinstance(mode, Policy) and mode.half and mode.level != "O0":
+            half = np.dtype(mode.compute_dtype)
+            env.move(eqn, invals, half, wide_grads)
+            # A lookup in a param table at O2/O3, where params are half (apex casts the
+            # model): the rows are looked up in half even where a float32 op (a norm) takes
+            # them, so the lookup, and the collectives on it, move half bytes. Rows a
+            # comparison reads (a decision) keep float32.
+            decides = facts.flags(eqn.outvars[0])[0]
+            if name == "gather" and mode.level in ("O2", "O3") and param and not decides:
+                twin = env.twins.get((eqn.outvars[0], half))
+                if twin is not None:
+                    out = jc.convert(twin, out.dtype)
     elif target == "untouched":
         out = _bind_untouched(eqn, invals)
     elif target == "traced":
@@ -880,7 +975,9 @@ def _eval_eqn(
                 x,
                 target,
                 out_shape if out_shape is not None else tuple(x.shape),
-                wide_sums,
+                wide_grads
+                if x.dtype == np.float32
+                else wide_sums or (wide_grads and env.is_param(v)),
                 sharding,
             )
             if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
@@ -888,7 +985,25 @@ def _eval_eqn(
             for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
         ]
         params = _fix_params(eqn, target)
-        out = jc.bind(eqn.primitive, cast_vals, params)
+        wide = [
+            wide_grads
+            and name == "dot_general"
+            and np.dtype(target).itemsize < 4
+            and _is_float(getattr(x, "dtype", np.int32))
+            and not env.is_static(v)
+            and env.is_param(v)
+            for x, v in zip(vals, eqn.invars, strict=True)
+        ]
+        if any(wide) and params.get("preferred_element_type") in (None, np.dtype(target)):
+            # The policy reduces gradients in float32: the matmul runs in half, and the
+            # gradient of its float32 operand that is an input of the program (a weight, moved
+            # by reshapes at most) comes out of a half matmul that writes float32, so its sum
+            # over the batch, and the all-reduce a partitioner puts on it, are float32.
+            operands = [x if w else c for x, c, w in zip(vals, cast_vals, wide, strict=True)]
+            avals = tuple(jc.aval_of(x) for x in operands)
+            out = _dot_wide_grads(params, np.dtype(target), tuple(wide), avals)(*operands)
+        else:
+            out = jc.bind(eqn.primitive, cast_vals, params)
         if params.get("preferred_element_type") not in (None, np.dtype(target)):
             hold = _STAT  # a float32 result the program asked for stays float32, as a statistic
         elif name in _op_lists(mode)[0]:
@@ -896,6 +1011,107 @@ def _eval_eqn(
     if name == "broadcast_in_dim" and _size(eqn.outvars[0]) > _size(eqn.invars[0]):
         env.spread.update(eqn.outvars)
     return (list(out) if multiple else [out]), [hold] * nout
+
+
+# Data movement: a cast commutes with it, so it can run on the half cast (see _Env.move).
+# Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
+# a reshard; on JAX 0.6 a gather between two mesh_casts).
+_MOVES = frozenset(
+    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
+     "dynamic_slice", "gather", "copy", "copy_p", "reshard", "sharding_constraint",
+     "mesh_cast"}
+)  # fmt: skip
+
+
+def _gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable[..., Any]:
+    """gather(x.astype(half), indices), differentiated as gather(x, indices) then the cast:
+    the cotangent goes up to float32 and scatter-adds there, so the rows an embedding lookup
+    takes many times sum in float32. `x_aval` is x's type."""
+    gather = lambda x, idx: jc.bind(lax.gather_p, [x, idx], params)
+
+    @jax.custom_vjp
+    def f(x: Any, idx: Any) -> Any:
+        return gather(jc.convert(x, half), idx)
+
+    def fwd(x: Any, idx: Any) -> Any:
+        return f(x, idx), idx
+
+    def bwd(idx: Any, ct: Any) -> Any:
+        (dx,) = jax.linear_transpose(lambda x: gather(x, idx), x_aval)(ct.astype(x_aval.dtype))
+        return dx, None
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _dot_wide_grads(
+    params: dict[str, Any], half: np.dtype, wide: tuple[bool, ...], avals: tuple[Any, ...]
+) -> Callable[..., Any]:
+    """dot_general(a, b) in `half`, where the operands `wide` marks are float32 and cast to
+    `half` inside; their cotangents come from half matmuls that write float32 (tensor cores
+    accumulate in float32 anyway), not from half ones cast up. The residuals are the half
+    operands, as the plain half matmul's. `avals` are the operands' types."""
+    dims = params["dimension_numbers"]
+    a_aval, b_aval = avals
+    dot = lambda a, b, out: jc.bind(
+        lax.dot_general_p, [a, b], {**params, "preferred_element_type": out}
+    )
+
+    @jax.custom_vjp
+    def f(a: Any, b: Any) -> Any:
+        return dot(jc.convert(a, half), jc.convert(b, half), half)
+
+    def fwd(a: Any, b: Any) -> Any:
+        a_h, b_h = jc.convert(a, half), jc.convert(b, half)
+        return dot(a_h, b_h, half), (a_h, b_h)
+
+    def bwd(res: Any, g: Any) -> Any:
+        a_h, b_h = res
+        _, vjp = jax.vjp(lambda a, b: dot(a, b, half), a_h, b_h)
+        da, db = vjp(g)
+        if wide[0]:
+            da = _dot_transpose_lhs(g, a_aval, b_h, dims, params)
+        if wide[1]:
+            (a_c, b_c), (a_b, b_b) = dims
+            db = _dot_transpose_lhs(g, b_aval, a_h, ((b_c, a_c), (b_b, a_b)), params, swap=True)
+        return jc.convert(da, a_aval.dtype), jc.convert(db, b_aval.dtype)
+
+    f.defvjp(fwd, bwd)
+    return f
+
+
+def _dot_transpose_lhs(
+    g: Any, x_aval: Any, y: Any, dims: Any, params: dict[str, Any], swap: bool = False
+) -> Any:
+    """The cotangent of dot_general's left operand (of type `x_aval`), summed in float32 from
+    the half `g` and `y`: JAX's own transpose rule (jax/_src/lax/lax.py,
+    _dot_general_transpose_lhs, Apache-2.0), with a float32 result."""
+    (x_contract, y_contract), (x_batch, y_batch) = dims
+    x_kept = [i for i in range(len(x_aval.shape)) if i not in (*x_contract, *x_batch)]
+    y_kept = [i for i in range(np.ndim(y)) if i not in (*y_contract, *y_batch)]
+    nb = len(x_batch)
+    if swap:
+        ans_y = list(range(nb, nb + len(y_kept)))
+    else:
+        ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
+    ans_batch = list(range(nb))
+    new_dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
+    x_contract_by_y = [int(i) for i in np.take(x_contract, np.argsort(y_contract))]
+    unsorted = list(x_batch) + x_kept + x_contract_by_y
+    out_params = {
+        **params,
+        "dimension_numbers": new_dims,
+        "preferred_element_type": np.dtype(np.float32),
+    }
+    if "out_sharding" in params:
+        out_params["out_sharding"] = jc.permuted_sharding(x_aval, unsorted)
+    half_dot = lambda g, y: jc.bind(lax.dot_general_p, [g, y], out_params)
+    # XLA's CPU runtime rejects some fused half x half = float32 dots ("Unsupported element
+    # type for DotThunk"); there the operands go up to float32 first, exactly (CPUs compute
+    # half matmuls in float32 anyway).
+    wide_dot = lambda g, y: half_dot(jc.convert(g, np.float32), jc.convert(y, np.float32))
+    out = lax.platform_dependent(g, y, cpu=wide_dot, default=half_dot)
+    return lax.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
 
 def _grows_half(eqn: Any, invals: list[Any]) -> bool:
@@ -1060,6 +1276,10 @@ _CACHE_SIZE = 64
 # regions to try) in its name stacks: it sets this while tracing, so that a call cached
 # before, traced without them, is not reused.
 TRACE_SALT: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_trace_salt", default="")
+# True while a custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
+# linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
+# reductions that need one (_dot_wide_grads, _gather_half) keep JAX's own rules there.
+IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("mpjax_in_rule", default=False)
 
 
 def _flax_module_kind(fn: Any) -> str | None:

@@ -57,6 +57,24 @@ def typed_sharding(aval: Any) -> Any:
     return sharding
 
 
+def permuted_sharding(aval: Any, axes: Any) -> Any:
+    """The sharding of `aval`'s type with its axes taken in the order `axes`, for an op that
+    makes `aval`'s value transposed by `axes`; None where the type carries no mesh axes (Auto
+    axes, or JAX before 0.5), so the op infers its own."""
+    sharding = getattr(aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if sharding is None or spec is None or mesh is None or not getattr(mesh, "axis_names", ()):
+        return None
+    if not any(str(t).endswith("Explicit") for t in getattr(mesh, "axis_types", ())):
+        return None
+    padded = tuple(spec) + (None,) * (len(aval.shape) - len(spec))
+    new_spec = type(spec)(*(padded[int(a)] for a in axes))
+    if hasattr(sharding, "update"):
+        return sharding.update(spec=new_spec)
+    return type(sharding)(mesh, new_spec)  # JAX 0.6: no NamedSharding.update
+
+
 def bind(primitive: Any, args: list[Any], params: dict[str, Any], wrap_rule: Any = None) -> Any:
     """Binds `primitive` with the parameters an equation recorded.
 

@@ -180,6 +180,38 @@ def _check_level(level: str) -> str:
 _warned_bfloat16_scaling = False
 
 
+def _check_reduce_dtype(policy: Policy) -> np.dtype:
+    """`policy.reduce_dtype` as a dtype, or an error that names the fix."""
+    dtype = policy.reduce_dtype
+    if isinstance(dtype, str) or jnp.issubdtype(np.dtype(dtype), jnp.floating):
+        dtype = canonical_float_dtype(dtype, "reduce_dtype")
+    else:
+        raise ValueError(
+            f"reduce_dtype must be a floating dtype, got {np.dtype(dtype)}: gradients are "
+            "summed in float32, float16 or bfloat16. Pass jnp.float32 to reduce in float32, "
+            "or None for the compute dtype."
+        )
+    if dtype == np.float64 and not jax.config.read("jax_enable_x64"):
+        raise ValueError(
+            "reduce_dtype=float64 needs 64-bit mode, which is off: JAX would silently reduce "
+            "in float32. Enable it with jax.config.update('jax_enable_x64', True), or pass "
+            "jnp.float32."
+        )
+    compute = np.dtype(policy.compute_dtype)
+    if dtype in _HALF_DTYPES and dtype != compute:
+        if compute in _HALF_DTYPES:
+            why = f"the gradients of {compute} compute are {compute}, not {dtype}"
+            fix = f"reduce_dtype={compute.name} (or None)"
+        else:
+            why = (
+                f"{compute} compute makes {compute} gradients, and reducing them in {dtype} "
+                "would only lose precision"
+            )
+            fix = "reduce_dtype=None, or a level that computes in half (O1, O2)"
+        raise ValueError(f"reduce_dtype={dtype.name} makes no sense here: {why}. Use {fix}.")
+    return dtype
+
+
 def _warn_bfloat16_scaling(kind: Any) -> None:
     global _warned_bfloat16_scaling
     if _warned_bfloat16_scaling:
@@ -232,6 +264,13 @@ class Policy:
       keep_norm_fp32: keep normalization statistics (and BatchNorm running stats) in float32.
       loss_scaling: 'dynamic', 'none', a float (static scale), or None to derive it: dynamic
         when float32 params are computed in float16, none otherwise.
+      reduce_dtype: the dtype gradients are summed in over the batch, which under sharding
+        is the dtype of their all-reduce or reduce-scatter (torch FSDP2's ``reduce_dtype``).
+        None (the default) means :attr:`compute_dtype`, as in the hand-written half step:
+        a weight's gradient comes out of a half matmul, and a bias's, a positional table's
+        or an embedding row's is summed in half. ``jnp.float32`` on request: half matmuls
+        that write float32 weight gradients, and float32 sums for the rest, so their
+        collectives run in float32. See :attr:`gradient_dtype` and :attr:`gather_dtype`.
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -250,6 +289,7 @@ class Policy:
     f32_ops: frozenset[str] = frozenset()
     keep_norm_fp32: bool = False
     loss_scaling: str | float | None = None
+    reduce_dtype: Any = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -263,6 +303,39 @@ class Policy:
             object.__setattr__(self, "loss_scaling", check_loss_scaling(self.loss_scaling))
         if self.loss_scaling not in (None, "none") and self.compute_dtype == jnp.bfloat16:
             _warn_bfloat16_scaling(self.loss_scaling)
+        if self.reduce_dtype is not None:
+            object.__setattr__(self, "reduce_dtype", _check_reduce_dtype(self))
+
+    @property
+    def gradient_dtype(self) -> np.dtype:
+        """The dtype gradients are summed (and, under sharding, reduced) in: `reduce_dtype`,
+        or `compute_dtype` when that is None.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> mpjax.Policy.from_level("O2", "bfloat16").gradient_dtype
+          dtype(bfloat16)
+          >>> mpjax.Policy.from_level("O2", "bfloat16", reduce_dtype=jnp.float32).gradient_dtype
+          dtype('float32')
+        """
+        return np.dtype(self.reduce_dtype if self.reduce_dtype is not None else self.compute_dtype)
+
+    @property
+    def gather_dtype(self) -> np.dtype:
+        """The dtype params are all-gathered in when they are sharded (FSDP): the compute dtype.
+
+        Autocast casts a param where it is used, and the cast is elementwise, so it runs on
+        each device's shard before the partitioner gathers it: half bytes, as the hand-written
+        step that casts params with ``.astype`` before the forward pass, torch FSDP2's
+        ``param_dtype`` and MaxText's bfloat16 all-gathers.
+        :meth:`mpjax.AuditReport.assert_collectives_in` checks it in the compiled step.
+
+        Example:
+          >>> import mpjax
+          >>> mpjax.Policy.from_level("O2", "float16").gather_dtype
+          dtype('float16')
+        """
+        return np.dtype(self.compute_dtype)
 
     # -- jmp's API ---------------------------------------------------------------------------
 
@@ -336,7 +409,10 @@ class Policy:
             _DTYPE_NAMES.get(d, (str(d),))[0]
             for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         ]
-        return "p={},c={},o={}".format(*names)
+        text = "p={},c={},o={}".format(*names)
+        if self.reduce_dtype is not None:  # mpjax's key, beyond jmp's grammar
+            text += ",r=" + _DTYPE_NAMES.get(self.reduce_dtype, (str(self.reduce_dtype),))[0]
+        return text
 
     # -- levels ------------------------------------------------------------------------------
 
@@ -385,6 +461,7 @@ class Policy:
         keep_norm_fp32: bool | None = None,
         master_weights: bool | None = None,
         loss_scale: str | float | None = None,
+        reduce_dtype: Any = None,
     ) -> Policy:
         """Builds the policy of an apex/PaddlePaddle/MindSpore optimization level.
 
@@ -424,6 +501,9 @@ class Policy:
           loss_scale: "dynamic", "none", or a positive float for a static scale. Default:
             dynamic where float32 params are computed in float16 (O1, O2), none otherwise
             (bfloat16 needs no scaling; O3 has no float32 copy to protect).
+          reduce_dtype: the dtype gradients are summed and reduced in (see the class
+            docstring). Default: the half dtype, as the hand-written half step; float32 on
+            request.
 
         Returns:
           The policy.
@@ -474,7 +554,15 @@ class Policy:
                     reject(what, "O0 runs everything in float32. Pick O1 or O2 to use half.")
             if keep_norm_fp32 is False:
                 reject("keep_norm_fp32=False", "O0 runs everything in float32.")
-            return cls(f32, f32, f32, level="O0", keep_norm_fp32=True, loss_scaling=loss_scale)
+            return cls(
+                f32,
+                f32,
+                f32,
+                level="O0",
+                keep_norm_fp32=True,
+                loss_scaling=loss_scale,
+                reduce_dtype=reduce_dtype,
+            )
 
         if level == "O1" and master_weights is not None:
             reject(
@@ -504,6 +592,7 @@ class Policy:
             f32_ops=(f32_default | f32_extra) - lower_extra,
             keep_norm_fp32=bool(keep_norm_fp32),
             loss_scaling=loss_scale,
+            reduce_dtype=reduce_dtype,
         )
 
 
@@ -513,7 +602,8 @@ def get_policy(policy_name: str) -> Policy:
     ``"c=f16"`` gives float32 params and float16 compute and output; ``"p=f16,c=bf16"`` gives
     float16 params and bfloat16 compute and output; a bare dtype (``"half"``) sets all three.
     Keys are ``p``/``params``, ``c``/``compute``, ``o``/``output``; unspecified params are
-    float32, compute follows params and output follows compute. Unlike jmp, spaces around
+    float32, compute follows params and output follows compute; mpjax adds ``r``/``reduce``
+    (:attr:`Policy.reduce_dtype`). Unlike jmp, spaces around
     ``,`` and ``=`` are allowed. Keras's ``"mixed_float16"`` and ``"mixed_bfloat16"`` give
     level O2 in that half dtype (float32 variables, half compute, float32 norms and output).
 
@@ -550,7 +640,7 @@ def get_policy(policy_name: str) -> Policy:
         # its guide says, and a LossScaleOptimizer for float16. That is O2.
         return Policy.from_level("O2", _KERAS_NAMES[key])
     param_dtype: np.dtype = np.dtype(np.float32)
-    compute_dtype = output_dtype = None
+    compute_dtype = output_dtype = reduce_dtype = None
     if "=" in policy_name:
         for part in policy_name.split(","):
             key, sep, value = part.partition("=")
@@ -567,10 +657,12 @@ def get_policy(policy_name: str) -> Policy:
                 compute_dtype = dtype
             elif key in ("o", "output"):
                 output_dtype = dtype
+            elif key in ("r", "reduce"):
+                reduce_dtype = dtype
             else:
                 raise ValueError(
-                    f"Unknown key '{key}' in '{policy_name}' should be 'params', 'compute' "
-                    "or 'output'."
+                    f"Unknown key '{key}' in '{policy_name}' should be 'params', 'compute', "
+                    "'output' (or mpjax's 'reduce')."
                 )
         if compute_dtype is None:
             compute_dtype = param_dtype
@@ -581,7 +673,7 @@ def get_policy(policy_name: str) -> Policy:
             param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
         except ValueError as e:  # jmp's words first, then the level names jmp does not have
             raise ValueError(f"{e} A level name is accepted too: {_ACCEPTED}.") from None
-    return Policy(param_dtype, compute_dtype, output_dtype)
+    return Policy(param_dtype, compute_dtype, output_dtype, reduce_dtype=reduce_dtype)
 
 
 def cast_to_full(tree: T) -> T:

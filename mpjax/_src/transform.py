@@ -545,3 +545,101 @@ def all_reduce_gradients(
         return jax.tree_util.tree_map(reduce, updates), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def accumulate_gradients(
+    grad_fn: Any,
+    params: Any,
+    batch: Any,
+    num_microbatches: int,
+    *,
+    dtype: Any = jnp.float32,
+    mean: bool = True,
+) -> Any:
+    """Gradients of a batch computed over `num_microbatches` slices and summed in `dtype`.
+
+    ``grad_fn(params, microbatch)`` returns a gradient tree; this runs it on each slice in a
+    ``lax.scan`` (one microbatch's activations live at a time) and adds the results in
+    `dtype`, float32 by default: half gradients (O3, or half params) would round at every add
+    and can overflow in the sum though each microbatch's is finite. The total, averaged over
+    the microbatches when `mean`, comes back in each gradient's own dtype, for the optimizer.
+
+    Microbatch ``i`` is rows ``i, i + k, i + 2k, ...`` of every leaf's leading axis (``k`` =
+    `num_microbatches`): each microbatch keeps the batch's sharding over that axis, so under
+    data parallelism every device works on every microbatch.
+
+    A non-finite gradient in any microbatch makes the total non-finite (an inf or NaN stays
+    one through the sum), so ``mpjax.loss_scale`` skips the whole step exactly, as it would
+    a step without accumulation. Scale the loss inside `grad_fn`, as usual.
+
+    Args:
+      grad_fn: ``(params, microbatch) -> gradients``, e.g. ``jax.grad(loss_fn)``.
+      params: passed to every call.
+      batch: a tree whose leaves share a leading axis divisible by `num_microbatches`.
+      num_microbatches: how many slices (1 runs `grad_fn` once on the whole batch).
+      dtype: the floating dtype to sum in; None sums in each gradient's own dtype.
+      mean: average over the microbatches (default), as the full batch's mean loss would.
+
+    Returns:
+      The gradient tree, in the dtypes `grad_fn` returns.
+
+    Raises:
+      ValueError: for a leading axis `num_microbatches` does not divide, a count below 1, or
+        a dtype that is not floating.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, mpjax
+      >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
+      >>> batch = {"x": jnp.ones((8, 2)), "y": jnp.zeros((8,))}
+      >>> g = mpjax.accumulate_gradients(jax.grad(loss), jnp.ones(2), batch, 4)
+      >>> g, jax.grad(loss)(jnp.ones(2), batch)
+      (Array([4., 4.], dtype=float32), Array([4., 4.], dtype=float32))
+    """
+    k = num_microbatches
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {k!r}.")
+    if dtype is not None:
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"accumulate_gradients sums in dtype={dtype}, which is not floating; pass "
+                "jnp.float32 (the default) or None for the gradients' own dtype."
+            )
+    leaves = jax.tree_util.tree_leaves(batch)
+    if not leaves:
+        raise ValueError("accumulate_gradients: the batch has no arrays to split.")
+    for leaf in leaves:
+        n = np.shape(leaf)[0] if np.ndim(leaf) else None
+        if n is None or n % k:
+            raise ValueError(
+                f"accumulate_gradients: a batch leaf of shape {np.shape(leaf)} cannot be split "
+                f"into {k} microbatches along its leading axis; use a batch size that "
+                f"{k} divides, or another num_microbatches."
+            )
+
+    def split(x: Any) -> Any:  # rows i, i+k, ...: microbatch i keeps the batch axis's sharding
+        x = jnp.asarray(x)
+        return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+    micro = jax.tree_util.tree_map(split, batch)
+    first = jax.tree_util.tree_map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grad_fn, params, first)
+
+    def acc_dtype(s: Any) -> Any:
+        float_leaf = jnp.issubdtype(s.dtype, jnp.floating)
+        return dtype if dtype is not None and float_leaf else s.dtype
+
+    init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, acc_dtype(s)), shapes)
+
+    def body(acc: Any, mb: Any) -> tuple[Any, None]:
+        g = grad_fn(params, mb)
+        return jax.tree_util.tree_map(lambda a, x: a + x.astype(a.dtype), acc, g), None
+
+    total, _ = jax.lax.scan(body, init, micro)
+
+    def finish(a: Any, s: Any) -> Any:
+        if mean and jnp.issubdtype(a.dtype, jnp.floating):
+            a = a / k
+        return a.astype(s.dtype)
+
+    return jax.tree_util.tree_map(finish, total, shapes)
