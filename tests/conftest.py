@@ -3,6 +3,7 @@
 import os
 
 import jax
+import jax.extend
 import numpy as np
 import pytest
 
@@ -69,3 +70,21 @@ def assert_trees_bit_identical(a, b):
     for i, (x, y) in enumerate(zip(la, lb)):
         assert np.asarray(x).dtype == np.asarray(y).dtype, f"leaf {i}: dtype {x.dtype} vs {y.dtype}"
         np.testing.assert_array_equal(bits(x), bits(y), err_msg=f"leaf {i} differs bitwise")
+
+
+def sub_jaxprs(params):
+    for value in params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def eqns(jaxpr, name=None):
+    """Every equation (recursively) whose primitive is `name`."""
+    for eqn in jaxpr.eqns:
+        if name is None or eqn.primitive.name == name:
+            yield eqn
+        for sub in sub_jaxprs(eqn.params):
+            yield from eqns(sub, name)

@@ -5,6 +5,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import eqns
 from jax import lax
 
 import mpjax
@@ -14,24 +15,6 @@ F32 = np.dtype("float32")
 # Relative tolerance against the float32 reference, per half dtype (a few units of roundoff
 # through a few layers).
 RTOL = {"float16": 1e-2, "bfloat16": 5e-2}
-
-
-def sub_jaxprs(params):
-    for value in params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, jax.extend.core.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jax.extend.core.Jaxpr):
-                yield v
-
-
-def eqns(jaxpr, name=None):
-    """Every equation (recursively) whose primitive is `name`."""
-    for eqn in jaxpr.eqns:
-        if name is None or eqn.primitive.name == name:
-            yield eqn
-        for sub in sub_jaxprs(eqn.params):
-            yield from eqns(sub, name)
 
 
 def in_dtypes(fn, *args, name):

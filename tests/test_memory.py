@@ -155,3 +155,90 @@ def test_activation_that_overflows_half_becomes_inf(half):
     y = jax.jit(mpjax.autocast(lambda x: x * 0.5, policy))(x)
     assert y.dtype == half
     assert float(y[0]) == 0.5 and np.isinf(float(y[1]))
+
+
+# -- float32 islands and user remat -----------------------------------------------------------
+
+
+def _float32_activations(f, *args, size):
+    """The float32 residuals of `f` at `args` (not the arguments) with at least `size`
+    elements: activations, not statistics."""
+    return [
+        str(aval)
+        for aval, is_argument in jax_compat.saved_residuals(f, *args)
+        if not is_argument and aval.dtype == jnp.float32 and int(np.prod(aval.shape)) >= size
+    ]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("half", HALVES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("model", ["transformer", "convnet"])
+def test_float32_islands_keep_half_residuals(model, half, tokens, images):
+    """The softmax, LayerNorm and BatchNorm statistics run in float32, yet what the backward
+    pass keeps of them is the half value they started from (the island is recomputed from
+    it): no float32 activation is saved, the residual bytes are no more than the hand-written
+    half step's, and the gradient is the float32 program's to the half's rounding."""
+    module, (x, y) = (Block(), tokens) if model == "transformer" else (ConvNet(), images)
+    o2, hand, params = _losses(module, x, y, mpjax.Policy.from_level("O2", half))
+    # Activations are [4, 16, 32] or [4, 8, 8, 16] and up; statistics are smaller. The
+    # hand-written step keeps a LayerNorm's in float32 (Flax computes its statistics in
+    # float32), and both keep the loss's (the logits are cast to float32 outside the model).
+    size = 4 * 8 * 8 * 8
+    ours_f32 = _float32_activations(o2, params, size=size)
+    hand_f32 = _float32_activations(hand, params, size=size)
+    assert all(ours_f32.count(a) <= hand_f32.count(a) for a in ours_f32), (ours_f32, hand_f32)
+    assert not any("float32[4,16,32]" == a or a.startswith("float32[4,16,16") for a in ours_f32)
+    ours, theirs = memory.residual_bytes(o2, params), memory.residual_bytes(hand, params)
+    assert sum(ours.values()) <= sum(theirs.values()), (ours, theirs)
+    f32 = _losses(module, x, y, mpjax.Policy.from_level("O0"))[0]
+    g, g_ref = jax.jit(jax.grad(o2))(params), jax.jit(jax.grad(f32))(params)
+    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
+    assert _rel(flat(g), flat(g_ref)) < (0.05 if half == jnp.bfloat16 else 0.01)
+
+
+def _remat_layer(w, x):
+    h = jax.ad_checkpoint.checkpoint_name(x @ w, "h")
+    return jax.nn.softmax(h * 3.0) @ w + jnp.tanh(h)
+
+
+REMAT_POLICIES = {
+    "default": None,
+    "save_only_h": jax.checkpoint_policies.save_only_these_names("h"),
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+}
+
+
+@pytest.mark.parametrize("policy", list(REMAT_POLICIES))
+def test_user_remat_keeps_its_policy_and_saves_half(policy):
+    """A remat'ed layer under O2 takes and returns half, as in the hand-written half step: its
+    saved inputs and the names its policy saves are half, the remat is kept with its policy
+    (never inlined), and the step saves no more than the hand-written one does under the
+    same policy."""
+    layer = jax.checkpoint(_remat_layer, policy=REMAT_POLICIES[policy])
+
+    def f(w, x):
+        for _ in range(3):
+            x = layer(w, x)
+        return jnp.sum(x.astype(jnp.float32) ** 2)
+
+    k = jax.random.split(jax.random.key(0))
+    w, x = jax.random.normal(k[0], (32, 32)) * 0.2, jax.random.normal(k[1], (16, 32))
+    ours = mpjax.autocast(f, mpjax.Policy.from_level("O2", "bfloat16"))
+    remats = [e for e in jax.make_jaxpr(ours)(w, x).jaxpr.eqns if e.primitive.name == "remat2"]
+    assert len(remats) == 3
+    assert all(e.params["policy"] is REMAT_POLICIES[policy] for e in remats)
+    # Half between them; the last one's result feeds the float32 loss.
+    assert all(e.outvars[0].aval.dtype == jnp.bfloat16 for e in remats[:2])
+    # Float32 activations: only what the hand-written step keeps too (the loss's square).
+    hand = lambda w, x: f(w.astype(jnp.bfloat16), x.astype(jnp.bfloat16))  # noqa: E731
+    ours_f32 = _float32_activations(ours, w, x, size=16 * 32)
+    assert ours_f32 == _float32_activations(hand, w, x, size=16 * 32) == ["float32[16,32]"]
+    ours_b = memory.residual_bytes(lambda w: ours(w, x), w)
+    hand_b = memory.residual_bytes(lambda w: hand(w, x), w)
+    assert sum(ours_b.values()) <= sum(hand_b.values()), (ours_b, hand_b)
+    g, g_ref = jax.jit(jax.grad(ours))(w, x), jax.jit(jax.grad(f))(w, x)
+    assert _rel(g, g_ref) < 0.05

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import hardware, ops
 from mpjax._src import jax_compat as jc
@@ -70,6 +71,16 @@ _SUBJAXPR_PARAMS = {
 }
 # Custom-derivative calls: their rules (jvp, fwd, bwd) run under the policy too.
 _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+# Float32 islands (see _Env.tag_island): the ops that extend one, the name its values carry,
+# and the remat policy that recomputes them for the backward pass instead of keeping them.
+ISLAND = "mpjax_float32_island"
+ISLAND_OPS = frozenset(
+    {"convert_element_type", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+     "sin", "cos", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "abs", "neg", "sign", "square",
+     "integer_pow", "pow", "add", "add_any", "sub", "mul", "div", "max", "min", "select_n",
+     "clamp", "reduce_sum", "reduce_max", "reduce_min", "broadcast_in_dim", "reshape",
+     "squeeze", "expand_dims", "transpose", "stop_gradient"}
+)  # fmt: skip
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
 _KNOWN_LIMIT = 1 << 16
 
@@ -323,11 +334,13 @@ def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
 
 class Marks(NamedTuple):
     """Facts of a value that cross an inlined call's boundary: it is an index (a decision or
-    made from one), a loop's carry, and its half twins by dtype (see _Env.twins)."""
+    made from one), a loop's carry, its half twins by dtype (see _Env.twins), and whether it
+    belongs to a float32 island (see _Env.island)."""
 
     is_index: bool
     is_carried: bool
     twins: dict[np.dtype, Any]
+    in_island: bool = False
 
 
 class _Env:
@@ -360,6 +373,11 @@ class _Env:
         # half takes the twin, so the movement, and the collective a partitioner puts on it,
         # moves half bytes, as `.astype` before `jnp.take` does; the unused one is dead code.
         self.twins: dict[tuple[Any, np.dtype], Any] = {}
+        # Float32 islands: float32 values computed, by elementwise ops, reductions and moves,
+        # from half values (a softmax's exp and sums, a loss's log_softmax, a norm's
+        # statistics), each named ISLAND (see tag_island). The backward pass recomputes them
+        # from the half values they came from instead of keeping them in float32.
+        self.island: set[Any] = set()
 
     def read(self, v: Any) -> Any:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
@@ -459,7 +477,7 @@ class _Env:
         if isinstance(v, jc.Literal):
             return Marks(False, False, {})
         twins = {d: t for (u, d), t in self.twins.items() if u is v}
-        return Marks(v in self.index, v in self.carried, twins)
+        return Marks(v in self.index, v in self.carried, twins, v in self.island)
 
     def mark(self, v: Any, marks: Marks) -> None:
         """Records `marks` (see `marks`) for `v`."""
@@ -469,9 +487,42 @@ class _Env:
             self.carried.add(v)
         for dtype, twin in marks.twins.items():
             self.twins[(v, dtype)] = twin
+        if marks.in_island:
+            self.island.add(v)
 
     def is_carried(self, v: Any) -> bool:
         return not isinstance(v, jc.Literal) and v in self.carried
+
+    def tag_island(self, eqn: Any, invals: list[Any], out: Any) -> Any:
+        """`out`, named ISLAND if `eqn` extends a float32 island: a float32 result of an
+        elementwise op, a reduction or a move whose float operands are half values (cast up
+        for it), island values, params or smaller than the result (a norm's statistics
+        broadcast back), one at least a half or island value. In a remat region (see
+        _remat_islands) the backward pass recomputes it from those operands, so
+        what is kept is the half value the island started from: float32 forward values at the
+        memory of the half program. Forward values are unchanged."""
+        v = eqn.outvars[0]
+        if (
+            eqn.primitive.name not in ISLAND_OPS
+            or len(eqn.outvars) != 1
+            or isinstance(v, jc.DropVar)
+            or not isinstance(out, jax.core.Tracer)
+            or not _is_float(out.dtype)
+            or np.dtype(out.dtype) != np.float32
+        ):
+            return out
+        grows = False
+        for u, x in zip(eqn.invars, invals, strict=True):
+            if isinstance(u, jc.Literal) or not _is_float(getattr(x, "dtype", np.int32)):
+                continue
+            if u in self.island or np.dtype(x.dtype).itemsize < 4:
+                grows = True
+            elif not (self.is_static(u) or self.is_param(u) or _size(u) < _size(v)):
+                return out  # a float32 activation of its own: nothing to recompute from
+        if not grows:
+            return out
+        self.island.add(v)
+        return checkpoint_name(out, ISLAND)
 
     def is_param(self, v: Any) -> bool:
         """Whether `v` is an input of the jaxpr, moved by shape ops at most: a param, whose
@@ -582,6 +633,9 @@ def _eval_jaxpr(
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
                 outvals, holds = _eval_eqn(ctx, eqn, invals, env, facts, eqn_mode, tb)
+                # A region's mode is a string ("f32": a norm under the Flax wrappers).
+                if len(outvals) == 1 and (not isinstance(eqn_mode, Policy) or eqn_mode.half):
+                    outvals[0] = env.tag_island(eqn, invals, outvals[0])
         known = None
         if all(static):
             known = _known_outputs(eqn, [env.known_value(v) for v in eqn.invars])
@@ -662,10 +716,141 @@ def _body_evaluator(
 
 
 def _trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None) -> Any:
+    """`body` traced at `avals` under autocast, its float32 islands made remat regions."""
     try:
-        return jc.trace(body, avals, context)
+        return _remat_islands(jc.trace(body, avals, context), context)
     except (ImportError, AttributeError) as e:  # JAX internals moved
         raise _CannotRebuild(str(e)) from None
+
+
+def _is_half_cast(eqn: Any, up: bool) -> bool:
+    """Whether `eqn` casts a half value to float32 (`up`), or float32 to a half."""
+    if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jc.Literal):
+        return False
+    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    if up:
+        src, dst = dst, src
+    return _is_float(src) and _is_float(dst) and src == np.float32 and dst.itemsize == 2
+
+
+def _remat_islands(closed: Any, context: Any = None) -> Any:
+    """`closed` with each run of float32-island equations (see _Env.tag_island: the ops whose
+    results are named ISLAND, and those names) under ``jax.checkpoint`` that saves nothing
+    inside: the backward pass recomputes the island from the half values it started from
+    instead of keeping its float32 values, as `jax.checkpoint` does for a region. Forward
+    values are unchanged; the names are dropped. `closed` itself if it has no island."""
+    eqns = closed.jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    marked: set[int] = set()
+    for i, e in enumerate(eqns):
+        if e.primitive.name == "name" and e.params.get("name") == ISLAND:
+            marked.add(i)
+            u = e.invars[0]
+            if not isinstance(u, jc.Literal) and u in producer:
+                marked.add(producer[u])
+    for i in sorted(marked):  # and the casts up of half values autocast made for them
+        for u in eqns[i].invars:
+            k = producer.get(u) if not isinstance(u, jc.Literal) else None
+            if k is not None and _is_half_cast(eqns[k], up=True):
+                marked.add(k)
+    for i, e in enumerate(eqns):  # and the casts down where the island ends
+        u = e.invars[0] if e.invars else None
+        if _is_half_cast(e, up=False) and producer.get(u) in marked:
+            marked.add(i)
+    if not marked or closed.effects:
+        return closed
+    # The plan: equations in order, each alone or in a region (a list). A region takes marked
+    # equations; an unmarked one between them that reads none of the region's values (a
+    # reshape of a norm's scale) moves before it, one that does (a running average of a
+    # batch statistic) moves after it, unless a later marked one reads it: the region ends
+    # there. So one island is one region.
+    plan: list[Any] = []
+    i = 0
+    while i < len(eqns):
+        if i not in marked:
+            plan.append(i)
+            i += 1
+            continue
+        region: list[int] = []
+        before: list[int] = []
+        after: list[int] = []
+        pending: list[int] = []
+        defined: set[Any] = set()  # the region's values
+        later: set[Any] = set()  # values of equations that move after it
+        k = i
+        while k < len(eqns):
+            e = eqns[k]
+            reads = {v for v in e.invars if not isinstance(v, jc.Literal)}
+            if k in marked:
+                if reads & later:
+                    break
+                region.append(k)
+                defined.update(e.outvars)
+                before += [j for j in pending if j not in after]
+                pending = []
+            else:
+                pending.append(k)
+                if reads & (defined | later):
+                    after.append(k)
+                    later.update(e.outvars)
+            k += 1
+        done = set(region) | set(before)
+        plan += before
+        plan.append(region)
+        plan += [j for j in range(i, k) if j not in done]
+        i = k
+    last_use: dict[Any, int] = {}  # by position in the plan
+    for pos, step in enumerate(plan):
+        for k in step if isinstance(step, list) else [step]:
+            for v in eqns[k].invars:
+                if not isinstance(v, jc.Literal):
+                    last_use[v] = pos
+    for v in closed.jaxpr.outvars:
+        if not isinstance(v, jc.Literal):
+            last_use[v] = len(plan)
+
+    def bind(eqn: Any, env: dict[Any, Any]) -> None:
+        vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
+        if eqn.primitive.name == "name" and eqn.params.get("name") == ISLAND:
+            env[eqn.outvars[0]] = vals[0]
+            return
+        stack = jc.current_name_stack() + eqn.source_info.name_stack
+        with jc.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
+            out = jc.bind(eqn.primitive, vals, eqn.params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs, strict=True))
+
+    def remat_region(run: list[Any], ins: list[Any], outs: list[Any]) -> Callable[..., Any]:
+        def f(*vals: Any) -> list[Any]:
+            env = dict(zip(ins, vals, strict=True))
+            for eqn in run:
+                bind(eqn, env)
+            return [env[v] for v in outs]
+
+        return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def evaluate(*args: Any) -> list[Any]:
+        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(closed.jaxpr.invars, args, strict=True))
+        for pos, step in enumerate(plan):
+            if not isinstance(step, list):
+                bind(eqns[step], env)
+                continue
+            run = [eqns[k] for k in step]
+            defined = {v for e in run for v in e.outvars}
+            ins = list(
+                dict.fromkeys(
+                    v
+                    for e in run
+                    for v in e.invars
+                    if not isinstance(v, jc.Literal) and v not in defined
+                )
+            )
+            outs = [v for e in run for v in e.outvars if last_use.get(v, -1) > pos]
+            env.update(zip(outs, remat_region(run, ins, outs)(*[env[v] for v in ins]), strict=True))
+        return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
+
+    return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
 
 
 _CannotRebuild = jc.CannotRebuild
@@ -746,20 +931,25 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
                 in_held = held * 2
             elif n == nin:  # a forward rule: primals
                 in_held = held
-            token = IN_RULE.set(True)
-            try:
+
+            def evaluate(*dyn: Any) -> list[Any]:
                 outs, _, _ = _eval_jaxpr(
                     ctx,
                     closed.jaxpr,
                     list(closed.consts),
-                    [args[i] for i in dynamic],
+                    list(dyn),
                     mode,
                     in_static=[False] * n,
                     in_held=in_held,
                 )
+                return _to_traced(outs, closed.out_avals)
+
+            token = IN_RULE.set(True)
+            try:  # traced, so that its float32 islands become remat regions
+                rebuilt = _trace_body(evaluate, list(closed.in_avals))
             finally:
                 IN_RULE.reset(token)
-            values = iter(_to_traced(outs, closed.out_avals))
+            values = iter(jc.jaxpr_as_fun(rebuilt)(*[args[i] for i in dynamic]))
             return [next(values) if _is_value(o) else o for o in passed]
 
         return jc.wrap_fun(rule, run)
@@ -822,6 +1012,61 @@ def _bind_with_operands(
     return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
 
 
+def _eval_remat(
+    ctx: _Context,
+    eqn: Any,
+    invals: list[Any],
+    env: _Env,
+    facts: _Facts,
+    mode: Any,
+    static: list[bool],
+    held: list[int],
+    tb: Any,
+) -> tuple[list[Any], list[int]]:
+    """A user's remat (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``), evaluated as an
+    inlined call is, inside ``jax.checkpoint`` with its own policy: its operands and results
+    keep the dtypes autocast gives them (a remat'ed layer of an O2 model takes and returns
+    half, as the hand-written half step's, so what the remat saves, its inputs, is half), a
+    name the user saved is saved in the dtype it has, and float32 islands inside are remat
+    regions of their own."""
+    p = eqn.params
+    dyn = [i for i, x in enumerate(invals) if isinstance(x, jax.core.Tracer)]
+    learnt: dict[str, Any] = {}
+
+    def body(*d: Any) -> list[Any]:
+        vals = list(invals)
+        for i, x in zip(dyn, d, strict=True):
+            vals[i] = x
+        outs, holds, marks = _eval_jaxpr(
+            ctx,
+            p["jaxpr"],
+            [],
+            vals,
+            mode,
+            in_static=static,
+            in_held=held,
+            in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
+            in_inert=[env.is_inert(v) for v in eqn.invars],
+            in_marks=[env.marks(v) for v in eqn.invars],
+            out_flags=tuple(facts.flags(v) for v in eqn.outvars),
+            traceback=tb,
+        )
+        learnt["holds"] = holds
+        # Twins and island values made inside stay inside the remat's trace.
+        learnt["marks"] = [Marks(m.is_index, m.is_carried, {}) for m in marks]
+        return outs
+
+    closed = _trace_body(body, [jc.aval_of(invals[i]) for i in dyn])
+    remat = jax.checkpoint(
+        jc.jaxpr_as_fun(closed), policy=p.get("policy"), prevent_cse=p.get("prevent_cse", True)
+    )
+    outs = list(remat(*[invals[i] for i in dyn]))
+    for v, m in zip(eqn.outvars, learnt["marks"], strict=True):
+        if not isinstance(v, jc.DropVar):
+            env.mark(v, m)
+    return outs, learnt["holds"]
+
+
 def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
     # Marked in the HLO metadata so that the audit can show where autocast stood aside.
     with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}"):
@@ -869,6 +1114,8 @@ def _eval_eqn(
                 return list(out), [False] * nout
             except _CannotRebuild:
                 pass  # the generic path below: runs as traced (scan) or inlined (remat)
+    if name in ("remat2", "checkpoint") and not eqn.params.get("differentiated", True):
+        return _eval_remat(ctx, eqn, invals, env, facts, mode, static, held, tb)
     if name in _SUBJAXPR_PARAMS:
         try:
             params = dict(eqn.params)
@@ -955,7 +1202,9 @@ def _eval_eqn(
             if name == "gather" and mode.level in ("O2", "O3") and param and not decides:
                 twin = env.twins.get((eqn.outvars[0], half))
                 if twin is not None:
-                    out = jc.convert(twin, out.dtype)
+                    # Rows of half values, cast up: a float32 island starts here (a norm).
+                    env.island.add(eqn.outvars[0])
+                    out = checkpoint_name(jc.convert(twin, out.dtype), ISLAND)
     elif target == "untouched":
         out = _bind_untouched(eqn, invals)
     elif target == "traced":
@@ -1338,13 +1587,16 @@ def _build(
 ) -> _Entry:
     closed, out_tree = _trace_leaves(fn, leaves, treedef, dynamic)
 
-    def run(dyn: list[Any]) -> list[Any]:
-        return evaluate(ctx, closed, dyn, cast_outputs)
+    def run_flat(*dyn: Any) -> list[Any]:
+        return evaluate(ctx, closed, list(dyn), cast_outputs)
 
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         # `fn` closes over a tracer of an enclosing transformation: evaluate now, never cache.
-        return _Entry(None, out_tree, run)
+        avals = [v.aval for v in closed.jaxpr.invars]
+        return _Entry(
+            None, out_tree, lambda dyn: jc.jaxpr_as_fun(_trace_body(run_flat, avals))(*dyn)
+        )
     ctx.memo.clear()
-    casted = jc.trace(lambda *dyn: run(list(dyn)), [v.aval for v in closed.jaxpr.invars])
+    casted = _trace_body(run_flat, [v.aval for v in closed.jaxpr.invars])
     ctx.memo.clear()
     return _Entry(casted, out_tree, None)
