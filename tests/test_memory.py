@@ -164,7 +164,7 @@ def _float32_activations(f, *args, size):
     """The float32 residuals of `f` at `args` (not the arguments) with at least `size`
     elements: activations, not statistics."""
     return [
-        str(aval)
+        f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
         for aval, is_argument in jax_compat.saved_residuals(f, *args)
         if not is_argument and aval.dtype == jnp.float32 and int(np.prod(aval.shape)) >= size
     ]

@@ -723,6 +723,12 @@ def _trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None)
         raise _CannotRebuild(str(e)) from None
 
 
+# Ops that make a constant array from literals or constants (see _remat_islands).
+_CONST_MAKERS = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "reshape", "iota", "squeeze", "expand_dims"}
+)
+
+
 def _is_half_cast(eqn: Any, up: bool) -> bool:
     """Whether `eqn` casts a half value to float32 (`up`), or float32 to a half."""
     if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jc.Literal):
@@ -753,6 +759,15 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
             k = producer.get(u) if not isinstance(u, jc.Literal) else None
             if k is not None and _is_half_cast(eqns[k], up=True):
                 marked.add(k)
+    # Constants made in the program (a mask's fill broadcast to the scores' shape): a region
+    # that reads one makes it again inside, so that it is not kept as a residual.
+    consts = set(closed.jaxpr.constvars)
+    made: set[int] = set()
+    for i, e in enumerate(eqns):
+        if e.primitive.name in _CONST_MAKERS and all(
+            isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
+        ):
+            made.add(i)
     for i, e in enumerate(eqns):  # and the casts down where the island ends
         u = e.invars[0] if e.invars else None
         if _is_half_cast(e, up=False) and producer.get(u) in marked:
@@ -836,7 +851,15 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
             if not isinstance(step, list):
                 bind(eqns[step], env)
                 continue
-            run = [eqns[k] for k in step]
+            makers: set[int] = set()
+            todo = [u for k in step for u in eqns[k].invars]
+            while todo:
+                u = todo.pop()
+                k = producer.get(u) if not isinstance(u, jc.Literal) else None
+                if k in made and k not in makers and k not in step:
+                    makers.add(k)
+                    todo += eqns[k].invars
+            run = [eqns[k] for k in sorted(makers)] + [eqns[k] for k in step]
             defined = {v for e in run for v in e.outvars}
             ins = list(
                 dict.fromkeys(
@@ -846,7 +869,7 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
                     if not isinstance(v, jc.Literal) and v not in defined
                 )
             )
-            outs = [v for e in run for v in e.outvars if last_use.get(v, -1) > pos]
+            outs = [v for k in step for v in eqns[k].outvars if last_use.get(v, -1) > pos]
             env.update(zip(outs, remat_region(run, ins, outs)(*[env[v] for v in ins]), strict=True))
         return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
 
