@@ -1035,6 +1035,36 @@ def _bind_with_operands(
     return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
 
 
+def _eval_call(
+    ctx: _Context,
+    jaxpr: Any,
+    consts: list[Any],
+    invals: list[Any],
+    eqn: Any,
+    env: _Env,
+    facts: _Facts,
+    mode: Any,
+    tb: Any,
+) -> tuple[list[Any], list[int], list[Marks]]:
+    """Evaluates the body of a call equation (an inlined jit, a remat) on `invals`, with what
+    the caller knows of its operands and of its results' uses."""
+    static = [env.is_static(v) for v in eqn.invars]
+    return _eval_jaxpr(
+        ctx,
+        jaxpr,
+        consts,
+        invals,
+        mode,
+        in_static=static,
+        in_held=[env.held_kind(v) for v in eqn.invars],
+        in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
+        in_inert=[env.is_inert(v) for v in eqn.invars],
+        in_marks=[env.marks(v) for v in eqn.invars],
+        out_flags=tuple(facts.flags(v) for v in eqn.outvars),
+        traceback=tb,
+    )
+
+
 def _eval_remat(
     ctx: _Context,
     eqn: Any,
@@ -1042,8 +1072,6 @@ def _eval_remat(
     env: _Env,
     facts: _Facts,
     mode: Any,
-    static: list[bool],
-    held: list[int],
     tb: Any,
 ) -> tuple[list[Any], list[int]]:
     """A user's remat (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``), evaluated as an
@@ -1060,20 +1088,7 @@ def _eval_remat(
         vals = list(invals)
         for i, x in zip(dyn, d, strict=True):
             vals[i] = x
-        outs, holds, marks = _eval_jaxpr(
-            ctx,
-            p["jaxpr"],
-            [],
-            vals,
-            mode,
-            in_static=static,
-            in_held=held,
-            in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
-            in_inert=[env.is_inert(v) for v in eqn.invars],
-            in_marks=[env.marks(v) for v in eqn.invars],
-            out_flags=tuple(facts.flags(v) for v in eqn.outvars),
-            traceback=tb,
-        )
+        outs, holds, marks = _eval_call(ctx, p["jaxpr"], [], vals, eqn, env, facts, mode, tb)
         learnt["holds"] = holds
         # Twins and island values made inside stay inside the remat's trace.
         learnt["marks"] = [Marks(m.is_index, m.is_carried, {}) for m in marks]
@@ -1107,19 +1122,8 @@ def _eval_eqn(
     carried = [env.is_carried(v) for v in eqn.invars]
     if name in INLINE_CALLS:
         closed = eqn.params[INLINE_CALLS[name]]
-        outs, holds, marks = _eval_jaxpr(
-            ctx,
-            closed.jaxpr,
-            list(closed.consts),
-            invals,
-            mode,
-            in_static=static,
-            in_held=held,
-            in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
-            in_inert=[env.is_inert(v) for v in eqn.invars],
-            in_marks=[env.marks(v) for v in eqn.invars],
-            out_flags=tuple(facts.flags(v) for v in eqn.outvars),
-            traceback=tb,
+        outs, holds, marks = _eval_call(
+            ctx, closed.jaxpr, list(closed.consts), invals, eqn, env, facts, mode, tb
         )
         # What the call's body learnt (an index made inside jnp.clip, the carry updated inside
         # a jitted step) holds for its results here too.
@@ -1138,7 +1142,7 @@ def _eval_eqn(
             except _CannotRebuild:
                 pass  # the generic path below: runs as traced (scan) or inlined (remat)
     if name in ("remat2", "checkpoint") and not eqn.params.get("differentiated", True):
-        return _eval_remat(ctx, eqn, invals, env, facts, mode, static, held, tb)
+        return _eval_remat(ctx, eqn, invals, env, facts, mode, tb)
     if name in _SUBJAXPR_PARAMS:
         try:
             params = dict(eqn.params)
@@ -1471,6 +1475,11 @@ def autocast(
     scan. It recurses into jit, custom_jvp/custom_vjp (keeping their rules), scan, while,
     cond and remat; a primitive it does not know runs in its traced dtypes, under a
     ``mpjax_untouched`` name scope that the audit can show. At O0 `fn` is returned as-is.
+
+    Memory: float32 values computed from half ones (a softmax, a norm's statistics, a loss)
+    are recomputed for the backward pass from those half values (a ``jax.checkpoint`` region
+    per island) instead of being kept in float32, and a remat of `fn`'s own keeps its policy
+    and, at O2, half operands and results. The Memory guide has the measurements.
 
     Args:
       fn: any JAX function of arrays (non-array arguments are treated as static).
