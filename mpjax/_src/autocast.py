@@ -759,6 +759,12 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
             k = producer.get(u) if not isinstance(u, jc.Literal) else None
             if k is not None and _is_half_cast(eqns[k], up=True):
                 marked.add(k)
+    for i, e in enumerate(eqns):  # and the casts down where the island ends
+        u = e.invars[0] if e.invars else None
+        if _is_half_cast(e, up=False) and producer.get(u) in marked:
+            marked.add(i)
+    if not marked or closed.effects:
+        return closed
     # Constants made in the program (a mask's fill broadcast to the scores' shape): a region
     # that reads one makes it again inside, so that it is not kept as a residual.
     consts = set(closed.jaxpr.constvars)
@@ -768,12 +774,6 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
             isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
         ):
             made.add(i)
-    for i, e in enumerate(eqns):  # and the casts down where the island ends
-        u = e.invars[0] if e.invars else None
-        if _is_half_cast(e, up=False) and producer.get(u) in marked:
-            marked.add(i)
-    if not marked or closed.effects:
-        return closed
     # The plan: equations in order, each alone or in a region (a list). A region takes marked
     # equations; an unmarked one between them that reads none of the region's values (a
     # reshape of a norm's scale) moves before it, one that does (a running average of a
@@ -824,6 +824,32 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
         if not isinstance(v, jc.Literal):
             last_use[v] = len(plan)
 
+    # Each region's equations (the constants it makes again first), inputs and outputs.
+    regions: dict[int, tuple[list[Any], list[Any], list[Any]]] = {}
+    for pos, step in enumerate(plan):
+        if not isinstance(step, list):
+            continue
+        makers: set[int] = set()
+        todo = [u for k in step for u in eqns[k].invars]
+        while todo:
+            u = todo.pop()
+            k = producer.get(u) if not isinstance(u, jc.Literal) else None
+            if k in made and k not in makers and k not in step:
+                makers.add(k)
+                todo += eqns[k].invars
+        run = [eqns[k] for k in sorted(makers)] + [eqns[k] for k in step]
+        defined = {v for e in run for v in e.outvars}
+        ins = list(
+            dict.fromkeys(
+                v
+                for e in run
+                for v in e.invars
+                if not isinstance(v, jc.Literal) and v not in defined
+            )
+        )
+        outs = [v for k in step for v in eqns[k].outvars if last_use.get(v, -1) > pos]
+        regions[pos] = (run, ins, outs)
+
     def bind(eqn: Any, env: dict[Any, Any]) -> None:
         vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
         if eqn.primitive.name == "name" and eqn.params.get("name") == ISLAND:
@@ -848,28 +874,10 @@ def _remat_islands(closed: Any, context: Any = None) -> Any:
         env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(closed.jaxpr.invars, args, strict=True))
         for pos, step in enumerate(plan):
-            if not isinstance(step, list):
+            if pos not in regions:
                 bind(eqns[step], env)
                 continue
-            makers: set[int] = set()
-            todo = [u for k in step for u in eqns[k].invars]
-            while todo:
-                u = todo.pop()
-                k = producer.get(u) if not isinstance(u, jc.Literal) else None
-                if k in made and k not in makers and k not in step:
-                    makers.add(k)
-                    todo += eqns[k].invars
-            run = [eqns[k] for k in sorted(makers)] + [eqns[k] for k in step]
-            defined = {v for e in run for v in e.outvars}
-            ins = list(
-                dict.fromkeys(
-                    v
-                    for e in run
-                    for v in e.invars
-                    if not isinstance(v, jc.Literal) and v not in defined
-                )
-            )
-            outs = [v for k in step for v in eqns[k].outvars if last_use.get(v, -1) > pos]
+            run, ins, outs = regions[pos]
             env.update(zip(outs, remat_region(run, ins, outs)(*[env[v] for v in ins]), strict=True))
         return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
 
