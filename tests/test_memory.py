@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import eqns
+from flax import nnx
 
 import mpjax
 import mpjax.flax
@@ -242,3 +244,111 @@ def test_user_remat_keeps_its_policy_and_saves_half(policy):
     assert sum(ours_b.values()) <= sum(hand_b.values()), (ours_b, hand_b)
     g, g_ref = jax.jit(jax.grad(ours))(w, x), jax.jit(jax.grad(f))(w, x)
     assert _rel(g, g_ref) < 0.05
+
+
+class _RematMLP(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.ad_checkpoint.checkpoint_name(nn.Dense(64, dtype=self.dtype)(x), "h")
+        return x + nn.Dense(32, dtype=self.dtype)(nn.gelu(h))
+
+
+class _RematNet(nn.Module):
+    """Three ``nn.remat`` MLP blocks (the policy given) and a LayerNorm + Dense head."""
+
+    policy: object = None
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.remat(_RematMLP, policy=self.policy)(self.dtype)(x)
+        return nn.Dense(10, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+class _NNXRematMLP(nnx.Module):
+    def __init__(self, rngs, dtype=None):
+        self.a = nnx.Linear(32, 64, dtype=dtype, rngs=rngs)
+        self.b = nnx.Linear(64, 32, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.ad_checkpoint.checkpoint_name(self.a(x), "h")
+        return x + self.b(nnx.gelu(h))
+
+
+class _NNXRematNet(nnx.Module):
+    def __init__(self, rngs, policy=None, dtype=None):
+        self.policy = policy
+        self.block0 = _NNXRematMLP(rngs, dtype)
+        self.block1 = _NNXRematMLP(rngs, dtype)
+        self.block2 = _NNXRematMLP(rngs, dtype)
+        self.norm = nnx.LayerNorm(32, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(32, 10, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        for block in (self.block0, self.block1, self.block2):
+            x = nnx.remat(lambda m, x: m(x), policy=self.policy)(block, x)
+        return self.head(self.norm(x))
+
+
+def _nnx_loss(model, x, y):
+    """The loss as a function of the model's params (the rest of its state held fixed)."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, x):
+        logits = nnx.merge(graphdef, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+    return loss, params
+
+
+@pytest.mark.parametrize("policy", list(REMAT_POLICIES))
+@pytest.mark.parametrize("api", ["nn.remat", "nnx.remat"])
+def test_flax_remat_keeps_its_policy_and_saves_no_more_than_the_dtype_model(api, policy):
+    """Flax's remat under mpjax.flax.wrap at O2: each remat stays a remat with the user's
+    policy, and the step saves no more than the hand-written half model (``dtype=bfloat16``,
+    float32 params) under the same policy; the names the policy saves are saved in half."""
+    remat_policy, half = REMAT_POLICIES[policy], jnp.bfloat16
+    x = jax.random.normal(jax.random.key(4), (16, 32))
+    y = jax.random.randint(jax.random.key(5), (16,), 0, 10)
+    o2 = mpjax.Policy.from_level("O2", "bfloat16")
+    if api == "nn.remat":
+        net = _RematNet(remat_policy)
+        params = net.init(jax.random.key(0), x)["params"]
+        wrapped = mpjax.flax.wrap(net, o2)
+
+        def ce(apply):
+            return lambda p, x: optax.softmax_cross_entropy_with_integer_labels(
+                apply({"params": p}, x).astype(jnp.float32), y
+            ).mean()
+
+        ours = ce(wrapped.apply)
+        hand = ce(_RematNet(remat_policy, half).apply)
+        reference = ce(net.apply)
+        hand_params = ours_params = params
+    else:
+        ours, ours_params = _nnx_loss(
+            mpjax.flax.wrap(_NNXRematNet(nnx.Rngs(0), remat_policy), o2), x, y
+        )
+        hand, hand_params = _nnx_loss(_NNXRematNet(nnx.Rngs(0), remat_policy, half), x, y)
+        reference, params = _nnx_loss(_NNXRematNet(nnx.Rngs(0), remat_policy), x, y)
+
+    jaxpr = jax.make_jaxpr(ours)(ours_params, x).jaxpr
+    remats = [e for e in eqns(jaxpr) if "remat" in e.primitive.name]
+    # The user's three, and autocast's float32 islands (the LayerNorm), which save nothing.
+    users = [e for e in remats if e.params["policy"] is remat_policy]
+    islands = [e for e in remats if e.params["policy"] is not remat_policy]
+    assert len(users) == 3, [e.params["policy"] for e in remats]
+    assert all(e.params["policy"] is jax.checkpoint_policies.nothing_saveable for e in islands)
+    ours_b = memory.residual_bytes(ours, ours_params, x)
+    hand_b = memory.residual_bytes(hand, hand_params, x)
+    assert sum(ours_b.values()) <= sum(hand_b.values()), (ours_b, hand_b)
+    # No float32 activation of the blocks' width is saved (the hand-written model saves its
+    # LayerNorm's): what the policy saves is half.
+    assert not _float32_activations(ours, ours_params, x, size=16 * 32), ours_b
+    g = jax.jit(jax.grad(ours))(ours_params, x)
+    g_ref = jax.jit(jax.grad(reference))(params, x)
+    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
+    assert _rel(flat(g), flat(g_ref)) < 0.05

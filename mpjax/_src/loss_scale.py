@@ -117,14 +117,19 @@ def _scale_tree(tree: T, factor: Any) -> T:
 
 
 def _unscale_tree(tree: T, loss_scale: Any) -> T:
-    inv = 1.0 / jnp.asarray(loss_scale, jnp.float32)
+    scale = jnp.asarray(loss_scale, jnp.float32)
 
     def unscale(x):
         if not _is_float_leaf(x):
             return x
         # Unlike jmp (which returns float32 for half leaves), keep each leaf's dtype so that
-        # optimizer state dtypes stay stable from step to step.
-        return (_wide(x) * inv).astype(x.dtype)
+        # optimizer state dtypes stay stable from step to step. Divide, where jmp multiplies
+        # by the reciprocal: the same bits for a power-of-two scale (every dynamic one), one
+        # rounding instead of two for any other, and XLA fuses a divide into the optimizer's
+        # update where a multiply by a computed reciprocal made it keep a gradient-sized
+        # buffer (measured: +29% temp memory on a small LSTM's float16 step, +34 KB on a
+        # ResNet's, against Flax's DynamicScale, which divides).
+        return (_wide(x) / scale).astype(x.dtype)
 
     return jax.tree_util.tree_map(unscale, tree)
 
