@@ -8,8 +8,10 @@ Transformer language model, each wrapped by ``mpjax.flax.wrap`` at every level.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -25,28 +27,56 @@ import mpjax.flax  # noqa: E402
 
 class ResBlock(nn.Module):
     width: int
+    dtype: Any = None  # None: float32; a half dtype is the hand-written half model
 
     @nn.compact
     def __call__(self, x, train: bool):
-        y = nn.Conv(self.width, (3, 3), use_bias=False)(x)
-        y = nn.relu(nn.BatchNorm(use_running_average=not train)(y))
-        y = nn.Conv(self.width, (3, 3), use_bias=False)(y)
-        y = nn.BatchNorm(use_running_average=not train)(y)
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, dtype=self.dtype)
+        y = conv(self.width, (3, 3))(x)
+        y = nn.relu(norm()(y))
+        y = conv(self.width, (3, 3))(y)
+        y = norm()(y)
         if x.shape[-1] != self.width:
-            x = nn.Conv(self.width, (1, 1), use_bias=False)(x)
+            x = conv(self.width, (1, 1))(x)
         return nn.relu(x + y)
 
 
 class ResNet(nn.Module):
     widths: tuple[int, ...]
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
         for i, w in enumerate(self.widths):
-            x = ResBlock(w)(x, train)
+            x = ResBlock(w, self.dtype)(x, train)
             if i < len(self.widths) - 1:
                 x = nn.avg_pool(x, (2, 2), (2, 2))
-        return nn.Dense(10)(x.mean(axis=(1, 2)))
+        return nn.Dense(10, dtype=self.dtype)(x.mean(axis=(1, 2)))
+
+
+class Block(nn.Module):
+    """A pre-norm Transformer block: self-attention, optional cross-attention, an MLP."""
+
+    width: int
+    heads: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x, mask=None, memory=None, memory_mask=None):
+        attention = functools.partial(
+            nn.MultiHeadDotProductAttention, num_heads=self.heads, dtype=self.dtype
+        )
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        x = x + attention()(h, h, mask=mask)
+        if memory is not None:
+            h = nn.LayerNorm(dtype=self.dtype)(x)
+            x = x + attention()(h, memory, mask=memory_mask)
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        h = nn.gelu(nn.Dense(4 * self.width, dtype=self.dtype)(h))
+        return x + nn.Dense(self.width, dtype=self.dtype)(h)
 
 
 class TransformerLM(nn.Module):
@@ -54,19 +84,66 @@ class TransformerLM(nn.Module):
     width: int
     depth: int
     heads: int
+    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens, train: bool = True):
         del train
-        x = nn.Embed(self.vocab, self.width)(tokens)
-        x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
+        x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
+        pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
+        x = x + (pos if self.dtype is None else pos.astype(self.dtype))
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
-            h = nn.LayerNorm()(x)
-            x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
-            h = nn.LayerNorm()(x)
-            x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
-        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+            x = Block(self.width, self.heads, self.dtype)(x, mask)
+        return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+class EncoderDecoder(nn.Module):
+    """A translation Transformer (as Flax's WMT example): the encoder reads the source, the
+    decoder the shifted target with causal self-attention and cross-attention to the encoder."""
+
+    vocab: int
+    width: int
+    depth: int
+    heads: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = True):
+        del train
+        source, target = tokens[:, 0], tokens[:, 1]
+        embed = nn.Embed(self.vocab, self.width, dtype=self.dtype)  # shared, as in WMT
+        pos = self.param("pos", nn.initializers.normal(0.02), (source.shape[1], self.width))
+        pos = pos if self.dtype is None else pos.astype(self.dtype)
+        pad = nn.make_attention_mask(source > 0, source > 0)
+        x = embed(source) + pos
+        for _ in range(self.depth):
+            x = Block(self.width, self.heads, self.dtype)(x, pad)
+        memory = nn.LayerNorm(dtype=self.dtype)(x)
+        shifted = jnp.pad(target, ((0, 0), (1, 0)))[:, :-1]
+        y = embed(shifted) + pos
+        causal = nn.make_causal_mask(shifted)
+        cross = nn.make_attention_mask(shifted >= 0, source > 0)
+        for _ in range(self.depth):
+            y = Block(self.width, self.heads, self.dtype)(y, causal, memory, cross)
+        return embed.attend(nn.LayerNorm(dtype=self.dtype)(y))
+
+
+class LSTMTagger(nn.Module):
+    """Two stacked LSTM layers (scanned with ``nn.RNN``) tagging every token."""
+
+    vocab: int
+    width: int
+    tags: int
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = True):
+        del train
+        x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
+        for _ in range(2):
+            x = nn.RNN(nn.OptimizedLSTMCell(self.width, dtype=self.dtype))(x)
+        return nn.Dense(self.tags, dtype=self.dtype)(x)
 
 
 SIZES = {

@@ -39,14 +39,15 @@ def test_memory_benchmark_reports_every_variant_and_target():
     out = memory.main(["--model", "transformer", "--size", "tiny", "--rounds", "0"])
     (result,) = out["results"]
     rows = result["rows"]
-    assert {"float32", "hand-written bfloat16", "mpjax O2 float16", "mpjax O3 bfloat16"} <= set(
-        rows
-    )
+    assert set(rows) == {name for name, _ in memory.variants()}
+    assert {"hand-written float16 (dtype=)", "dtype= float16, loss_scale chain form"} <= set(rows)
     for name, row in rows.items():
-        assert row["residual_bytes"] > 0 and row["temp_bytes"] > 0 and row["fusion_bytes"] > 0, name
+        counts = ("residual_bytes", "temp_bytes", "fusion_bytes", "flops")
+        assert all(row[c] > 0 for c in counts), (name, row)
     # Counted, not timed: O2 saves half-size residuals where float32 saves full ones.
     assert rows["mpjax O2 bfloat16"]["residual_bytes"] < rows["float32"]["residual_bytes"]
-    assert len(result["targets"]) == len(memory.TARGETS)
+    # Every (level, metric, half) target and the two loss-scaling ones.
+    assert len(result["targets"]) == 2 * len(memory.LIMITS) + 2
     assert "| mpjax O2 bfloat16 |" in result["markdown"]
 
 
