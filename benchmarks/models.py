@@ -79,43 +79,44 @@ class Block(nn.Module):
         return x + nn.Dense(self.width, dtype=self.dtype)(h)
 
 
-class TransformerLM(nn.Module):
+class _Transformer(nn.Module):
+    """The settings a Transformer of this file takes."""
+
     vocab: int
     width: int
     depth: int
     heads: int
     dtype: Any = None
 
+    def positions(self, length):
+        """The learned position table (a float32 param, cast to ``dtype`` if set)."""
+        pos = self.param("pos", nn.initializers.normal(0.02), (length, self.width))
+        return pos if self.dtype is None else pos.astype(self.dtype)
+
+
+class TransformerLM(_Transformer):
     @nn.compact
     def __call__(self, tokens, train: bool = True):
         del train
         x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
-        pos = self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
-        x = x + (pos if self.dtype is None else pos.astype(self.dtype))
+        x = x + self.positions(tokens.shape[1])
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
             x = Block(self.width, self.heads, self.dtype)(x, mask)
         return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(_Transformer):
     """A translation Transformer (as Flax's WMT example): the encoder reads the source, the
     decoder the shifted target with causal self-attention and cross-attention to the encoder."""
-
-    vocab: int
-    width: int
-    depth: int
-    heads: int
-    dtype: Any = None
 
     @nn.compact
     def __call__(self, tokens, train: bool = True):
         del train
         source, target = tokens[:, 0], tokens[:, 1]
         embed = nn.Embed(self.vocab, self.width, dtype=self.dtype)  # shared, as in WMT
-        pos = self.param("pos", nn.initializers.normal(0.02), (source.shape[1], self.width))
-        pos = pos if self.dtype is None else pos.astype(self.dtype)
         pad = nn.make_attention_mask(source > 0, source > 0)
+        pos = self.positions(source.shape[1])
         x = embed(source) + pos
         for _ in range(self.depth):
             x = Block(self.width, self.heads, self.dtype)(x, pad)
