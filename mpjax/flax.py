@@ -304,20 +304,64 @@ class NNXWrapped(nnx.Module):
         self._resolver.check_keys(type(module).__name__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        graphdef, state = nnx.split(self.inner)
+        # The state goes through autocast as NNX's flat state (path, Variable) and comes back
+        # the same way: a State's nested mapping can mix int and str keys (nnx.List, sown
+        # intermediates under nnx.capture), which a jax.tree_util walk cannot sort, and the
+        # call may create, replace or remove Variables, so the state after it is read from
+        # the model, not mapped against the state before it.
+        graphdef, paths, variables = _flatten(self.inner)
         resolver = self._resolver
+        after: list[tuple[Any, ...]] = []
 
-        def run(state: Any, args: Any, kwargs: Any) -> Any:
-            model = nnx.merge(graphdef, state)
+        def run(variables: Any, args: Any, kwargs: Any) -> Any:
+            model = nnx.graph.unflatten(graphdef, list(variables))
             with _nnx_markers(model, resolver):
                 out = model(*args, **kwargs)
-            return out, nnx.state(model)
+            _, new_paths, new_variables = _flatten(model)
+            after[:] = new_paths
+            return out, new_variables
 
-        out, new_state = autocast(run, self.policy, rules=resolver.markers, cast_outputs=False)(
-            state, args, kwargs
-        )
-        nnx.update(self.inner, _cast_like(new_state, state))
+        out, new_variables = autocast(
+            run, self.policy, rules=resolver.markers, cast_outputs=False
+        )(variables, args, kwargs)
+        before = dict(zip(paths, variables))
+        new_variables = [  # a Variable that was there keeps its dtype; a new one as made
+            _cast_like(v, before[p]) if _same_structure(v, before.get(p)) else v
+            for p, v in zip(after, new_variables)
+        ]
+        removed = set(paths) - set(after)
+        nnx.update(self.inner, nnx.State.from_flat_path(list(zip(after, new_variables))))
+        for path in sorted(removed, key=len, reverse=True):
+            _remove(self.inner, path)
         return self.policy.cast_to_output(out)
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+    """Whether `b` exists and has `a`'s tree structure (a Variable the call kept, not one it
+    replaced with another kind of value, such as sown intermediates)."""
+    return b is not None and jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+
+
+def _flatten(node: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
+    """NNX's graph flattening: the graphdef, each Variable's path and the Variables, in the
+    order NNX walks the graph (never sorted: the keys of one node can mix ints and strs)."""
+    graphdef, flat = nnx.graph.flatten(node)
+    pairs = list(flat)
+    return graphdef, [tuple(p) for p, _ in pairs], [v for _, v in pairs]
+
+
+def _remove(root: Any, path: tuple[Any, ...]) -> None:
+    """Removes the Variable at `path` of `root`, as the call removed it (e.g. ``nnx.pop``)."""
+    node = root
+    for key in path[:-1]:
+        node = node[key] if isinstance(key, int) or not hasattr(node, str(key)) else getattr(
+            node, key
+        )
+    last = path[-1]
+    if isinstance(last, int) or not hasattr(node, str(last)):
+        del node[last]
+    else:
+        delattr(node, last)
 
 
 def _iter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Module]]:

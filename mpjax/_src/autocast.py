@@ -605,7 +605,9 @@ def _eval_jaxpr(
         if not (isinstance(x, jax.core.Tracer) and _is_float(x.dtype)):
             env.inert.add(v)  # a tracer of an enclosing trace may be differentiated
         if isinstance(x, (np.ndarray, np.generic)) or (
-            isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)  # keys: no numbers
         ):
             if np.size(x) <= _KNOWN_LIMIT:
                 env.known[v] = np.asarray(x)
