@@ -321,9 +321,9 @@ class NNXWrapped(nnx.Module):
             after[:] = new_paths
             return out, new_variables
 
-        out, new_variables = autocast(
-            run, self.policy, rules=resolver.markers, cast_outputs=False
-        )(variables, args, kwargs)
+        out, new_variables = autocast(run, self.policy, rules=resolver.markers, cast_outputs=False)(
+            variables, args, kwargs
+        )
         before = dict(zip(paths, variables))
         new_variables = [  # a Variable that was there keeps its dtype; a new one as made
             _cast_like(v, before[p]) if _same_structure(v, before.get(p)) else v
@@ -339,7 +339,9 @@ class NNXWrapped(nnx.Module):
 def _same_structure(a: Any, b: Any) -> bool:
     """Whether `b` exists and has `a`'s tree structure (a Variable the call kept, not one it
     replaced with another kind of value, such as sown intermediates)."""
-    return b is not None and jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    if b is None:
+        return False
+    return bool(jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))
 
 
 def _flatten(node: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
@@ -354,8 +356,8 @@ def _remove(root: Any, path: tuple[Any, ...]) -> None:
     """Removes the Variable at `path` of `root`, as the call removed it (e.g. ``nnx.pop``)."""
     node = root
     for key in path[:-1]:
-        node = node[key] if isinstance(key, int) or not hasattr(node, str(key)) else getattr(
-            node, key
+        node = (
+            node[key] if isinstance(key, int) or not hasattr(node, str(key)) else getattr(node, key)
         )
     last = path[-1]
     if isinstance(last, int) or not hasattr(node, str(last)):
