@@ -341,7 +341,8 @@ def _same_structure(a: Any, b: Any) -> bool:
     replaced with another kind of value, such as sown intermediates)."""
     if b is None:
         return False
-    return bool(jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))
+    structure: Any = jax.tree_util.tree_structure(a)
+    return bool(structure == jax.tree_util.tree_structure(b))
 
 
 def _flatten(node: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
