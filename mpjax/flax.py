@@ -267,16 +267,26 @@ class LinenWrapped:
                     variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs
                 )
 
-        out = autocast(run, self.policy, rules=self._resolver.markers, cast_outputs=False)(
-            variables, rngs, args, kwargs
-        )
+        def state_as_without_mpjax(out_tree: Any) -> list[bool]:
+            # (out, collections): every leaf of the collections (batch stats, a cache, sown
+            # intermediates, perturbations) comes back in the dtype the module itself gives
+            # it, whatever changed shape or structure during the call; the output as computed.
+            n = out_tree.num_leaves
+            if mutable is False:
+                return [False] * n
+            n_out = out_tree.children()[0].num_leaves
+            return [False] * n_out + [True] * (n - n_out)
+
+        out = autocast(
+            run, self.policy, rules=self._resolver.markers, cast_outputs=state_as_without_mpjax
+        )(variables, rngs, args, kwargs)
         self._check_rules(method)
         if mutable is False:
             return self.policy.cast_to_output(out)
         out, state = out
-        # Collections the caller passed keep their dtypes; new ones are stored per policy.
+        # New params and stats are stored per policy (init with mutable=True).
         new = _cast_variables({k: v for k, v in state.items() if k not in variables}, self.policy)
-        state = {k: new[k] if k in new else _cast_like(v, variables[k]) for k, v in state.items()}
+        state = {k: new.get(k, v) for k, v in state.items()}
         return self.policy.cast_to_output(out), state
 
 

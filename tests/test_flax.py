@@ -440,3 +440,46 @@ def test_explicit_module_dtype_is_honoured_under_a_policy_of_the_other_half(rng)
     assert dots == [(HALF["bfloat16"],) * 2, (HALF["float16"],) * 2]
     ref = Net().apply(variables, x)  # unwrapped: "mine" in bfloat16, the rest in float32
     assert rel_err(model.apply(variables, x), ref) < 1e-2
+
+
+class _Collections(nn.Module):
+    """Every kind of collection a linen call can return: sown intermediates, a perturbation,
+    batch stats and a cache variable updated in place."""
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.Dense(8)(x)
+        self.sow("intermediates", "h", h)
+        h = self.perturb("hp", h)
+        h = nn.BatchNorm(use_running_average=not train)(h)
+        count = self.variable("cache", "n", lambda: jnp.zeros((), jnp.float32))
+        count.value = count.value + h.mean()
+        return nn.Dense(2)(nn.relu(h))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_linen_collections_come_back_as_without_mpjax(level):
+    """apply(..., mutable=...) and capture_intermediates return every collection with the
+    structure, shapes and dtypes the module gives without mpjax, also when the call changes a
+    collection's structure (sown intermediates passed back in grow by one)."""
+    module = _Collections()
+    wrapped = mpjax.flax.wrap(module, mpjax.Policy.from_level(level, "bfloat16"))
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    variables = module.init(jax.random.key(0), x)
+    mutable = ["intermediates", "batch_stats", "cache"]
+    like = lambda a, b: jax.tree.map(lambda p, q: (p.shape, p.dtype) == (q.shape, q.dtype), a, b)  # noqa: E731
+    _, state = wrapped.apply(variables, x, mutable=mutable)
+    _, expected = module.apply(variables, x, mutable=mutable)
+    assert all(jax.tree.leaves(like(state, expected)))
+    again = {**variables, **state}
+    _, state = wrapped.apply(again, x, mutable=mutable)
+    _, expected = module.apply(again, x, mutable=mutable)
+    assert len(state["intermediates"]["h"]) == 2
+    assert all(jax.tree.leaves(like(state, expected)))
+    _, captured = wrapped.apply(variables, x, capture_intermediates=True, mutable=mutable)
+    _, expected = module.apply(variables, x, capture_intermediates=True, mutable=mutable)
+    assert jax.tree.structure(captured) == jax.tree.structure(expected)
+    assert all(jax.tree.leaves(like(captured, expected)))
+    tol = 0.05 if level != "O3" else 0.1
+    for got, ref in zip(jax.tree.leaves(captured), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)

@@ -15,7 +15,7 @@ import contextvars
 import functools
 import itertools
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -1458,9 +1458,16 @@ def _trace_leaves(
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
-def evaluate(ctx: _Context, closed: Any, dyn: list[Any], cast_outputs: bool = True) -> list[Any]:
-    """Evaluates a traced function under `ctx`'s policy; floating outputs in its output dtype."""
+def evaluate(ctx: _Context, closed: Any, dyn: list[Any], cast_outputs: Any = True) -> list[Any]:
+    """Evaluates a traced function under `ctx`'s policy; floating outputs in its output dtype
+    (`cast_outputs` True), as computed (False), or, with one bool per output, those marked in
+    the dtype the function itself returns (its float32 program's)."""
     outs, _, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), ctx.policy)
+    if isinstance(cast_outputs, (list, tuple)):
+        return [
+            _cast(x, a.dtype) if keep and _is_float(x.dtype) and _is_float(a.dtype) else x
+            for x, a, keep in zip(outs, closed.out_avals, cast_outputs, strict=True)
+        ]
     if cast_outputs:
         outs = [_cast(x, ctx.policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
     return outs
@@ -1471,7 +1478,7 @@ def autocast(
     policy: Policy,
     *,
     rules: Mapping[str, Policy] | None = None,
-    cast_outputs: bool = True,
+    cast_outputs: bool | Callable[[Any], Sequence[bool]] = True,
 ) -> Callable[..., Any]:
     """Returns `fn` run under `policy`, op by op.
 
@@ -1496,7 +1503,10 @@ def autocast(
       policy: the precision policy, e.g. ``Policy.from_level("O1")``.
       rules: advanced: policies for ``jax.named_scope("mpjax:<key>")`` regions, by key (the
         Flax wrappers' per-module rules use this).
-      cast_outputs: cast floating outputs to ``policy.output_dtype`` (default True).
+      cast_outputs: cast floating outputs to ``policy.output_dtype`` (default True). Advanced:
+        a function of the output tree structure giving one bool per output leaf: those marked
+        come back in the dtype `fn` itself returns, the rest as computed (the Flax wrappers
+        return mutable collections this way).
 
     Returns:
       A function with `fn`'s signature.
@@ -1625,9 +1635,11 @@ def _build(
     leaves: list[Any],
     treedef: Any,
     dynamic: list[int],
-    cast_outputs: bool,
+    cast_outputs: Any,
 ) -> _Entry:
     closed, out_tree = _trace_leaves(fn, leaves, treedef, dynamic)
+    if callable(cast_outputs):
+        cast_outputs = list(cast_outputs(out_tree))
 
     def run_flat(*dyn: Any) -> list[Any]:
         return evaluate(ctx, closed, list(dyn), cast_outputs)
