@@ -21,7 +21,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -163,17 +162,6 @@ def _key_name(key: Any) -> str:
     return key.__name__ if isinstance(key, type) else repr(key)
 
 
-def _cast_like(tree: Any, like: Any) -> Any:
-    """Casts each floating leaf of `tree` to the dtype of the same leaf in `like`."""
-
-    def cast(x: Any, ref: Any) -> Any:
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != ref.dtype:
-            return x.astype(ref.dtype)
-        return x
-
-    return jax.tree_util.tree_map(cast, tree, like)
-
-
 def _cast_variables(variables: Any, policy: Policy) -> Any:
     out = {}
     for name, collection in dict(variables).items():
@@ -267,18 +255,11 @@ class LinenWrapped:
                     variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs
                 )
 
-        def state_as_without_mpjax(out_tree: Any) -> list[bool]:
-            # (out, collections): every leaf of the collections (batch stats, a cache, sown
-            # intermediates, perturbations) comes back in the dtype the module itself gives
-            # it, whatever changed shape or structure during the call; the output as computed.
-            n = out_tree.num_leaves
-            if mutable is False:
-                return [False] * n
-            n_out = out_tree.children()[0].num_leaves
-            return [False] * n_out + [True] * (n - n_out)
-
         out = autocast(
-            run, self.policy, rules=self._resolver.markers, cast_outputs=state_as_without_mpjax
+            run,
+            self.policy,
+            rules=self._resolver.markers,
+            cast_outputs=False if mutable is False else _state_as_without_mpjax,
         )(variables, rngs, args, kwargs)
         self._check_rules(method)
         if mutable is False:
@@ -331,14 +312,9 @@ class NNXWrapped(nnx.Module):
             after[:] = new_paths
             return out, new_variables
 
-        out, new_variables = autocast(run, self.policy, rules=resolver.markers, cast_outputs=False)(
-            variables, args, kwargs
-        )
-        before = dict(zip(paths, variables))
-        new_variables = [  # a Variable that was there keeps its dtype; a new one as made
-            _cast_like(v, before[p]) if _same_structure(v, before.get(p)) else v
-            for p, v in zip(after, new_variables)
-        ]
+        out, new_variables = autocast(
+            run, self.policy, rules=resolver.markers, cast_outputs=_state_as_without_mpjax
+        )(variables, args, kwargs)
         removed = set(paths) - set(after)
         nnx.update(self.inner, nnx.State.from_flat_path(list(zip(after, new_variables))))
         for path in sorted(removed, key=len, reverse=True):
@@ -346,13 +322,12 @@ class NNXWrapped(nnx.Module):
         return self.policy.cast_to_output(out)
 
 
-def _same_structure(a: Any, b: Any) -> bool:
-    """Whether `b` exists and has `a`'s tree structure (a Variable the call kept, not one it
-    replaced with another kind of value, such as sown intermediates)."""
-    if b is None:
-        return False
-    structure: Any = jax.tree_util.tree_structure(a)
-    return bool(structure == jax.tree_util.tree_structure(b))
+def _state_as_without_mpjax(out_tree: Any) -> list[bool]:
+    """For a call's (output, state) tree: the state's leaves (Variables kept, made or replaced
+    by the call; a linen call's collections) come back in the dtype the model itself gives
+    them, whatever changed shape or structure during the call; the output as computed."""
+    output = out_tree.children()[0].num_leaves
+    return [False] * output + [True] * (out_tree.num_leaves - output)
 
 
 def _flatten(node: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
