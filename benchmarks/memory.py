@@ -385,6 +385,11 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _ratios(row: dict[str, Any], bases: tuple[dict[str, Any], ...], metric: str) -> list[str]:
+    """`row`'s `metric` over each base row's, as table cells."""
+    return [f"{row[metric] / base[metric]:.2f}" for base in bases]
+
+
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     f32 = rows["float32"]
@@ -394,10 +399,7 @@ def markdown(result: dict[str, Any]) -> str:
         astype = rows[f"hand-written {half} (.astype)"]
         dtype_ = rows[f"hand-written {half} (dtype=)"]
         by = ", ".join(f"{k} {v / MB:.1f}" for k, v in sorted(r["residual_bytes_by_dtype"].items()))
-
-        def ratios(m: str, r: Any = r, astype: Any = astype, dtype_: Any = dtype_) -> list[str]:
-            return [f"{r[m] / astype[m]:.2f}", f"{r[m] / dtype_[m]:.2f}"]
-
+        ratios = functools.partial(_ratios, r, (astype, dtype_))
         cells.append(
             [
                 name,

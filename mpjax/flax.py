@@ -340,16 +340,17 @@ def _flatten(node: Any) -> tuple[Any, list[tuple[Any, ...]], list[Any]]:
 
 def _remove(root: Any, path: tuple[Any, ...]) -> None:
     """Removes the Variable at `path` of `root`, as the call removed it (e.g. ``nnx.pop``)."""
+
+    def is_item(node: Any, key: Any) -> bool:  # an nnx.List or nnx.Dict entry, not an attribute
+        return isinstance(key, int) or not hasattr(node, str(key))
+
     node = root
     for key in path[:-1]:
-        node = (
-            node[key] if isinstance(key, int) or not hasattr(node, str(key)) else getattr(node, key)
-        )
-    last = path[-1]
-    if isinstance(last, int) or not hasattr(node, str(last)):
-        del node[last]
+        node = node[key] if is_item(node, key) else getattr(node, key)
+    if is_item(node, path[-1]):
+        del node[path[-1]]
     else:
-        delattr(node, last)
+        delattr(node, path[-1])
 
 
 def _iter_modules(model: nnx.Module) -> Iterator[tuple[tuple[Any, ...], nnx.Module]]:

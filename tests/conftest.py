@@ -88,3 +88,9 @@ def eqns(jaxpr, name=None):
             yield eqn
         for sub in sub_jaxprs(eqn.params):
             yield from eqns(sub, name)
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b||, in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import eqns
+from conftest import eqns, rel_err
 from flax import nnx
 
 import mpjax
@@ -172,11 +172,6 @@ def _float32_activations(f, *args, size):
     ]
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @pytest.mark.parametrize("half", HALVES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("model", ["transformer", "convnet"])
 def test_float32_islands_keep_half_residuals(model, half, tokens, images):
@@ -199,7 +194,7 @@ def test_float32_islands_keep_half_residuals(model, half, tokens, images):
     f32 = _losses(module, x, y, mpjax.Policy.from_level("O0"))[0]
     g, g_ref = jax.jit(jax.grad(o2))(params), jax.jit(jax.grad(f32))(params)
     flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
-    assert _rel(flat(g), flat(g_ref)) < (0.05 if half == jnp.bfloat16 else 0.01)
+    assert rel_err(flat(g), flat(g_ref)) < (0.05 if half == jnp.bfloat16 else 0.01)
 
 
 def _remat_layer(w, x):
@@ -243,7 +238,7 @@ def test_user_remat_keeps_its_policy_and_saves_half(policy):
     hand_b = memory.residual_bytes(lambda w: hand(w, x), w)
     assert sum(ours_b.values()) <= sum(hand_b.values()), (ours_b, hand_b)
     g, g_ref = jax.jit(jax.grad(ours))(w, x), jax.jit(jax.grad(f))(w, x)
-    assert _rel(g, g_ref) < 0.05
+    assert rel_err(g, g_ref) < 0.05
 
 
 class _RematMLP(nn.Module):
@@ -351,4 +346,4 @@ def test_flax_remat_keeps_its_policy_and_saves_no_more_than_the_dtype_model(api,
     g = jax.jit(jax.grad(ours))(ours_params, x)
     g_ref = jax.jit(jax.grad(reference))(params, x)
     flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
-    assert _rel(flat(g), flat(g_ref)) < 0.05
+    assert rel_err(flat(g), flat(g_ref)) < 0.05

@@ -9,17 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import rel_err
 from flax import nnx
 
 import mpjax
 import mpjax.flax
 
 O2 = mpjax.Policy.from_level("O2", "bfloat16")
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 # -- a Variable created during the call, popped by the loss (flax/examples/nnx_toy_examples) --
@@ -53,22 +49,8 @@ def _vae_step(model, optimizer, x):
         return jnp.mean((y.astype(jnp.float32) - x) ** 2) + 0.1 * kl
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
-    _update(optimizer, model, grads)
+    optimizer.update(model, grads)
     return loss
-
-
-def _update(optimizer, model, grads):
-    try:  # Flax >= 0.11.1: update(model, grads)
-        optimizer.update(model, grads)
-    except TypeError:
-        optimizer.update(grads)
-
-
-def _optimizer(model, tx):
-    try:
-        return nnx.Optimizer(model, tx, wrt=nnx.Param)
-    except TypeError:  # Flax 0.11.0
-        return nnx.Optimizer(model, tx)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
@@ -79,7 +61,7 @@ def test_variable_made_during_the_call_comes_back_and_is_popped(jit):
         model = VAE(nnx.Rngs(0, noise=1))
         if name == "O2":
             model = mpjax.flax.wrap(model, O2)
-        optimizer = _optimizer(model, optax.adam(1e-2))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         step = nnx.jit(_vae_step) if jit else _vae_step
         losses[name] = [float(step(model, optimizer, x)) for _ in range(3)]
         # The loss popped it: the model holds no Loss between steps, as without mpjax.
@@ -116,7 +98,7 @@ def test_variables_replaced_and_removed_during_the_call():
     assert model.inner.cache[...].shape == plain.cache[...].shape == (3, 4)
     assert model.inner.cache[...].dtype == jnp.float32
     assert not hasattr(model.inner, "scratch") and not hasattr(plain, "scratch")
-    assert _rel(model.inner.cache[...], plain.cache[...]) < 0.02
+    assert rel_err(model.inner.cache[...], plain.cache[...]) < 0.02
 
 
 # -- sown intermediates in an nnx.List of layers, collected with nnx.capture (Gemma) ----------
@@ -158,8 +140,8 @@ def test_capture_of_sown_intermediates_in_an_nnx_list():
     assert len(got_leaves) == len(ref_leaves) == 3
     for g, r in zip(got_leaves, ref_leaves):
         assert g.shape == r.shape
-        assert _rel(g.astype(jnp.float32), r) < 0.03
-    assert _rel(out.astype(jnp.float32), ref_out) < 0.03
+        assert rel_err(g.astype(jnp.float32), r) < 0.03
+    assert rel_err(out.astype(jnp.float32), ref_out) < 0.03
 
 
 # -- PRNG keys: constants, arguments and closed-over values are left alone ---------------------

@@ -490,6 +490,12 @@ class _Env:
         if marks.in_island:
             self.island.add(v)
 
+    def mark_results(self, eqn: Any, marks: list[Marks]) -> None:
+        """Records what a call's body learnt of its results (see `mark`) for `eqn`'s outputs."""
+        for v, m in zip(eqn.outvars, marks, strict=True):
+            if not isinstance(v, jc.DropVar):
+                self.mark(v, m)
+
     def is_carried(self, v: Any) -> bool:
         return not isinstance(v, jc.Literal) and v in self.carried
 
@@ -1109,9 +1115,7 @@ def _eval_remat(
         jc.jaxpr_as_fun(closed), policy=p.get("policy"), prevent_cse=p.get("prevent_cse", True)
     )
     outs = list(remat(*[invals[i] for i in dyn]))
-    for v, m in zip(eqn.outvars, learnt["marks"], strict=True):
-        if not isinstance(v, jc.DropVar):
-            env.mark(v, m)
+    env.mark_results(eqn, learnt["marks"])
     return outs, learnt["holds"]
 
 
@@ -1137,9 +1141,7 @@ def _eval_eqn(
         )
         # What the call's body learnt (an index made inside jnp.clip, the carry updated inside
         # a jitted step) holds for its results here too.
-        for v, m in zip(eqn.outvars, marks, strict=True):
-            if not isinstance(v, jc.DropVar):
-                env.mark(v, m)
+        env.mark_results(eqn, marks)
         return outs, holds
     if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
         extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
