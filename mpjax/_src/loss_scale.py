@@ -116,20 +116,24 @@ def _scale_tree(tree: T, factor: Any) -> T:
     return jax.tree_util.tree_map(lambda x: _wide(x) * factor if _is_float_leaf(x) else x, tree)
 
 
-def _unscale_tree(tree: T, loss_scale: Any) -> T:
+def _unscale_tree(tree: T, loss_scale: Any, *, divide: bool = False) -> T:
     scale = jnp.asarray(loss_scale, jnp.float32)
+    inv = None if divide else 1.0 / scale
 
     def unscale(x):
         if not _is_float_leaf(x):
             return x
         # Unlike jmp (which returns float32 for half leaves), keep each leaf's dtype so that
-        # optimizer state dtypes stay stable from step to step. Divide, where jmp multiplies
-        # by the reciprocal: the same bits for a power-of-two scale (every dynamic one), one
-        # rounding instead of two for any other, and XLA fuses a divide into the optimizer's
-        # update where a multiply by a computed reciprocal made it keep a gradient-sized
-        # buffer (measured: +29% temp memory on a small LSTM's float16 step, +34 KB on a
-        # ResNet's, against Flax's DynamicScale, which divides).
-        return (_wide(x) / scale).astype(x.dtype)
+        # optimizer state dtypes stay stable from step to step. The public unscale methods
+        # multiply by the reciprocal, as jmp does, so a drop-in gives jmp's bits for any
+        # scale (a divide differs by an ulp for a scale like 3). divide=True is for the
+        # optax transformation: the same bits for a power-of-two scale (every dynamic one),
+        # and XLA fuses a divide into the optimizer's update where a multiply by a computed
+        # reciprocal made it keep a gradient-sized buffer (measured: +29% temp memory on a
+        # small LSTM's float16 step, +34 KB on a ResNet's, against Flax's DynamicScale,
+        # which divides).
+        wide = _wide(x)
+        return (wide / scale if inv is None else wide * inv).astype(x.dtype)
 
     return jax.tree_util.tree_map(unscale, tree)
 
@@ -236,7 +240,7 @@ class StaticLossScale:
         return _scale_tree(tree, jnp.float32(self.loss_scale))
 
     def unscale(self, tree: T) -> T:
-        """Divides the floating leaves of `tree` by the scale, keeping each leaf's dtype.
+        """Unscales the floating leaves of `tree` (times 1/scale, as jmp), keeping dtypes.
 
         Example:
           >>> import jax.numpy as jnp, mpjax
@@ -443,7 +447,7 @@ class DynamicLossScale:
         return _scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: T) -> T:
-        """Divides the floating leaves of `tree` (usually grads) by the scale, keeping dtypes.
+        """Unscales the floating leaves of `tree` (usually grads): times 1/scale, as jmp.
 
         Example:
           >>> import jax.numpy as jnp, mpjax
@@ -581,3 +585,13 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         f"expected boolean scalar, got dtype {pred.dtype} shape {pred.shape}"
     )
     return jax.tree_util.tree_map(functools.partial(jax.lax.select, pred), a, b)
+
+
+def divide_by_scale(loss_scale: Any, tree: T) -> T:
+    """`loss_scale.unscale(tree)`, dividing by the scale where jmp multiplies by 1/scale.
+
+    For the optax transformation: see `_unscale_tree` for why it divides.
+    """
+    if isinstance(loss_scale, (StaticLossScale, DynamicLossScale)):
+        return _unscale_tree(tree, loss_scale.loss_scale, divide=True)
+    return loss_scale.unscale(tree)

@@ -258,7 +258,7 @@ def loss_scale(
             _check_like_params(updates, params)
         # Unscale with the scale that produced these gradients, then adjust (jmp users often
         # adjust first and unscale with the new scale, which is off by the factor).
-        grads = state.loss_scale.unscale(updates)
+        grads = ls_lib.divide_by_scale(state.loss_scale, updates)
         # With a scale >= 1 (known statically), unscaling cannot overflow, so the raw
         # gradients are finite exactly when the unscaled ones are. Checking the raw ones
         # leaves the unscale multiply a single consumer, which XLA fuses into the update
