@@ -13,6 +13,7 @@ Rules also reach modules run inside linen's lifted transforms and NNX's (``nnx.s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import functools
@@ -188,6 +189,10 @@ class LinenWrapped:
         self.module = module
         self.policy = policy
         self._resolver = _Resolver(policy, rules, _LINEN_NORMS)
+        # One autocast per (method, mutable), kept across calls: autocast caches its trace
+        # per signature, so a retrace (a new jit of the step) or an eager call with shapes
+        # seen before replays it instead of tracing the module twice again.
+        self._traced: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
 
     def __repr__(self) -> str:
         return f"mpjax.flax.wrap({type(self.module).__name__}, {self.policy})"
@@ -249,18 +254,7 @@ class LinenWrapped:
           (dtype(bfloat16), dtype('float32'))
         """
 
-        def run(variables: Any, rngs: Any, args: Any, kwargs: Any) -> Any:
-            with nn.intercept_methods(self._intercept):
-                return self.module.apply(
-                    variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs
-                )
-
-        out = autocast(
-            run,
-            self.policy,
-            rules=self._resolver.markers,
-            cast_outputs=False if mutable is False else _state_as_without_mpjax,
-        )(variables, rngs, args, kwargs)
+        out = self._autocast(method, mutable)(variables, rngs, args, kwargs)
         self._check_rules(method)
         if mutable is False:
             return self.policy.cast_to_output(out)
@@ -269,6 +263,37 @@ class LinenWrapped:
         new = _cast_variables({k: v for k, v in state.items() if k not in variables}, self.policy)
         state = {k: new.get(k, v) for k, v in state.items()}
         return self.policy.cast_to_output(out), state
+
+    def _autocast(self, method: Any, mutable: Any) -> Callable[..., Any]:
+        def run(variables: Any, rngs: Any, args: Any, kwargs: Any) -> Any:
+            with nn.intercept_methods(self._intercept):
+                return self.module.apply(
+                    variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs
+                )
+
+        def build() -> Callable[..., Any]:
+            return autocast(
+                run,
+                self.policy,
+                rules=self._resolver.markers,
+                cast_outputs=False if mutable is False else _state_as_without_mpjax,
+            )
+
+        key = (method, tuple(mutable) if isinstance(mutable, list) else mutable)
+        try:
+            fn = self._traced.get(key)
+        except TypeError:  # an unhashable method or mutable: trace afresh, as jit would
+            return build()
+        if fn is None:
+            fn = self._traced[key] = build()
+            if len(self._traced) > _TRACED_SIZE:
+                self._traced.popitem(last=False)
+        self._traced.move_to_end(key)
+        return fn
+
+
+# How many (method, mutable) pairs a linen wrapper keeps traced.
+_TRACED_SIZE = 16
 
 
 class NNXWrapped(nnx.Module):
@@ -290,6 +315,12 @@ class NNXWrapped(nnx.Module):
         self.inner = module
         self.policy = policy
         self._resolver = _Resolver(policy, rules, _NNX_NORMS)
+        self._traced = autocast(
+            functools.partial(_nnx_run, self._resolver),
+            policy,
+            rules=self._resolver.markers,
+            cast_outputs=_state_as_without_mpjax,
+        )
         for path, sub in _iter_modules(module):
             self._resolver.seen.setdefault("/".join(str(p) for p in path), type(sub))
         self._resolver.check_keys(type(module).__name__)
@@ -299,33 +330,41 @@ class NNXWrapped(nnx.Module):
         # the same way: a State's nested mapping can mix int and str keys (nnx.List, sown
         # intermediates under nnx.capture), which a jax.tree_util walk cannot sort, and the
         # call may create, replace or remove Variables, so the state after it is read from
-        # the model, not mapped against the state before it.
+        # the model, not mapped against the state before it. The paths after the call ride
+        # in the output's tree structure, so autocast's trace of a graphdef is reused by
+        # later calls (a retrace, an eager call) with the same graphdef and shapes.
         graphdef, paths, variables = _flatten(self.inner)
-        resolver = self._resolver
-        after: list[tuple[Any, ...]] = []
-
-        def run(variables: Any, args: Any, kwargs: Any) -> Any:
-            model = nnx.graph.unflatten(graphdef, list(variables))
-            with _nnx_markers(model, resolver):
-                out = model(*args, **kwargs)
-            _, new_paths, new_variables = _flatten(model)
-            after[:] = new_paths
-            return out, new_variables
-
-        out, new_variables = autocast(
-            run, self.policy, rules=resolver.markers, cast_outputs=_state_as_without_mpjax
-        )(variables, args, kwargs)
-        removed = set(paths) - set(after)
-        nnx.update(self.inner, nnx.State.from_flat_path(list(zip(after, new_variables))))
+        out, after, new_variables = self._traced(graphdef, variables, args, kwargs)
+        removed = set(paths) - set(after.paths)
+        nnx.update(self.inner, nnx.State.from_flat_path(list(zip(after.paths, new_variables))))
         for path in sorted(removed, key=len, reverse=True):
             _remove(self.inner, path)
         return self.policy.cast_to_output(out)
 
 
+class _Paths:
+    """Variable paths, carried in a pytree's structure (no leaves)."""
+
+    def __init__(self, paths: tuple[tuple[Any, ...], ...]):
+        self.paths = paths
+
+
+jax.tree_util.register_pytree_node(_Paths, lambda p: ((), p.paths), lambda aux, _: _Paths(aux))
+
+
+def _nnx_run(resolver: _Resolver, graphdef: Any, variables: Any, args: Any, kwargs: Any) -> Any:
+    model = nnx.graph.unflatten(graphdef, list(variables))
+    with _nnx_markers(model, resolver):
+        out = model(*args, **kwargs)
+    _, new_paths, new_variables = _flatten(model)
+    return out, _Paths(tuple(new_paths)), new_variables
+
+
 def _state_as_without_mpjax(out_tree: Any) -> list[bool]:
-    """For a call's (output, state) tree: the state's leaves (Variables kept, made or replaced
-    by the call; a linen call's collections) come back in the dtype the model itself gives
-    them, whatever changed shape or structure during the call; the output as computed."""
+    """For a call's (output, state) tree (NNX: output, paths, state): the state's leaves
+    (Variables kept, made or replaced by the call; a linen call's collections) come back in
+    the dtype the model itself gives them, whatever changed shape or structure during the
+    call; the output as computed."""
     output = out_tree.children()[0].num_leaves
     return [False] * output + [True] * (out_tree.num_leaves - output)
 

@@ -483,3 +483,78 @@ def test_linen_collections_come_back_as_without_mpjax(level):
     tol = 0.05 if level != "O3" else 0.1
     for got, ref in zip(jax.tree.leaves(captured), jax.tree.leaves(expected)):
         np.testing.assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def _counted(calls):
+    class Counted(nn.Module):
+        """A Dense that counts how often Python runs it (once per trace)."""
+
+        @nn.compact
+        def __call__(self, x, scale=1.0):
+            calls.append(None)
+            return nn.Dense(3)(x) * scale
+
+    return Counted()
+
+
+def test_wrapped_modules_are_traced_once_per_signature():
+    """A retrace (a new jit of the step, an eager call) with shapes seen before reuses the
+    wrapper's trace, as jax.jit reuses its own: the module's Python runs once per signature,
+    a new shape, static argument, method or mutable set traces again, and every call's
+    result is the one a fresh wrapper gives."""
+    calls: list = []
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    model = mpjax.flax.wrap(_counted(calls), policy)
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    v = model.init(jax.random.key(0), x)
+    calls.clear()
+    first = jax.jit(lambda v, x: model.apply(v, x))(v, x)
+    assert len(calls) == 1
+    again = jax.jit(lambda v, x: model.apply(v, x) + 0)(v, x)  # a new jit: a retrace
+    eager = model.apply(v, x)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(eager))
+    model.apply(v, x[:1])  # a new shape
+    model.apply(v, x, scale=2.0)  # a new static argument
+    model.apply(v, x, mutable=["intermediates"])  # a new mutable set
+    assert len(calls) == 4
+    fresh = mpjax.flax.wrap(_counted([]), policy).apply(v, x, scale=2.0)
+    np.testing.assert_array_equal(np.asarray(model.apply(v, x, scale=2.0)), np.asarray(fresh))
+    assert len(calls) == 4
+
+
+def _counted_nnx(calls, rngs):
+    class Counted(nnx.Module):
+        def __init__(self):
+            self.linear = nnx.Linear(4, 3, rngs=rngs)
+
+        def __call__(self, x):
+            calls.append(None)
+            return self.linear(x)
+
+    return Counted()
+
+
+def test_wrapped_nnx_modules_are_traced_once_per_graph_and_signature():
+    """The NNX wrapper reuses its trace while the module's graph and the shapes stay the
+    same, including after an optimizer step changes the params' values."""
+    calls: list = []
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    model = mpjax.flax.wrap(_counted_nnx(calls, nnx.Rngs(0)), policy)
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    before = model(x)
+    model(x)
+    assert len(calls) == 1
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    grads = nnx.grad(lambda m: jnp.sum(m(x).astype(jnp.float32) ** 2))(model)
+    optimizer.update(model, grads)
+    traced = len(calls)  # nnx.grad may trace again (its Variables can carry other metadata)
+    after = model(x)
+    assert len(calls) == traced <= 2
+    assert not np.array_equal(np.asarray(before), np.asarray(after))
+    kernel = model.inner.linear.kernel[...].astype(jnp.float32)
+    ref = x.astype(jnp.bfloat16).astype(jnp.float32) @ kernel.astype(jnp.bfloat16).astype(
+        jnp.float32
+    ) + model.inner.linear.bias[...].astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(after, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
