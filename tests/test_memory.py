@@ -347,3 +347,46 @@ def test_flax_remat_keeps_its_policy_and_saves_no_more_than_the_dtype_model(api,
     g_ref = jax.jit(jax.grad(reference))(params, x)
     flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
     assert rel_err(flat(g), flat(g_ref)) < 0.05
+
+
+class _Norms(nn.Module):
+    """A Dense, then four layers, each a LayerNorm (the float32 island) and a Dense."""
+
+    epsilons: tuple[float, ...] = (1e-6,) * 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(x.shape[-1])(x)
+        for eps in self.epsilons:
+            x = x + nn.Dense(x.shape[-1])(nn.LayerNorm(epsilon=eps)(x))
+        return x
+
+
+def test_the_same_island_in_every_layer_is_traced_once():
+    """The island of each layer (its LayerNorm) is one checkpointed jaxpr shared by every
+    layer, so JAX differentiates it once; an island that differs (another epsilon) is not
+    merged with them, and the gradient is the float32 program's to bfloat16's rounding."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8, 32)), jnp.float32)
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+
+    def remats(module):
+        params = module.init(jax.random.key(0), x)["params"]
+        model = mpjax.flax.wrap(module, policy)
+        loss = lambda p: jnp.sum(model.apply({"params": p}, x).astype(jnp.float32) ** 2)  # noqa: E731
+        jaxpr = jax.make_jaxpr(loss)(params).jaxpr
+        found = [e for e in jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")]
+        return found, params, loss
+
+    same, _, _ = remats(_Norms())
+    assert len(same) == 4 and len({id(e.params["jaxpr"]) for e in same}) == 1
+    # Each keeps its own layer's name (the audit's and the profiler's view).
+    names = [str(e.source_info.name_stack) for e in same]
+    assert all(f"LayerNorm_{i}" in n for i, n in enumerate(names)), names
+
+    module = _Norms(epsilons=(1e-6, 10.0, 1e-6, 10.0))
+    mixed, params, loss = remats(module)
+    assert len(mixed) == 4 and len({id(e.params["jaxpr"]) for e in mixed}) == 2
+    ref = lambda p: jnp.sum(module.apply({"params": p}, x) ** 2)  # noqa: E731
+    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
+    g, g_ref = jax.jit(jax.grad(loss))(params), jax.jit(jax.grad(ref))(params)
+    assert rel_err(flat(g), flat(g_ref)) < 0.05

@@ -151,6 +151,24 @@ def user_context(traceback: Any, name_stack: Any) -> contextlib.AbstractContextM
     return source_info_util.user_context(traceback, name_stack=name_stack)
 
 
+def common_name_stack(stacks: list[Any]) -> Any:
+    """The longest name stack that every one of `stacks` starts with."""
+    parts = [tuple(s.stack) for s in stacks]
+    n = 0
+    if parts:
+        shortest = min(len(p) for p in parts)
+        while n < shortest and all(p[n] == parts[0][n] for p in parts):
+            n += 1
+    return source_info_util.NameStack(parts[0][:n] if parts else ())
+
+
+def relative_name_stack(stack: Any, prefix: Any) -> Any:
+    """`stack` after `prefix`; empty when `stack` does not start with it."""
+    n = len(prefix.stack)
+    inside = tuple(stack.stack[:n]) == tuple(prefix.stack)
+    return source_info_util.NameStack(tuple(stack.stack[n:]) if inside else ())
+
+
 class CannotRebuild(Exception):
     """A sub-jaxpr cannot be rebuilt in this JAX version; the equation then runs as traced."""
 
