@@ -2,7 +2,8 @@
 ``mpjax.flax.wrap`` against its float32 program: state that changes during a call (a Variable
 created in ``__call__`` and popped by the loss, as the NNX VAE example does), intermediates
 sown into an ``nnx.List`` of layers and collected with ``nnx.capture`` (Gemma's train step),
-and PRNG keys closed over by a function under ``mpjax.autocast``."""
+decoding with a KV cache (Gemma's sampler), and PRNG keys closed over by a function under
+``mpjax.autocast``."""
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +143,72 @@ def test_capture_of_sown_intermediates_in_an_nnx_list():
         assert g.shape == r.shape
         assert rel_err(g.astype(jnp.float32), r) < 0.03
     assert rel_err(out.astype(jnp.float32), ref_out) < 0.03
+
+
+# -- a Gemma-style decoder sampling with a KV cache (flax/examples/gemma's sampler) -----------
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, width, heads, rngs):
+        self.pre_attention = nnx.RMSNorm(width, rngs=rngs)
+        self.attention = nnx.MultiHeadAttention(heads, width, decode=True, rngs=rngs)
+        self.pre_mlp = nnx.RMSNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attention(self.pre_attention(x))
+        return x + self.down(nnx.gelu(self.up(self.pre_mlp(x))))
+
+
+class CachedDecoder(nnx.Module):
+    """Embedding scaled by sqrt(width), RMSNorm blocks with cached attention, tied logits."""
+
+    def __init__(self, rngs, vocab=64, width=32, heads=4, depth=2):
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
+        layers = [DecoderBlock(width, heads, rngs) for _ in range(depth)]
+        self.layers = nnx.List(layers) if hasattr(nnx, "List") else layers  # Flax 0.11: a list
+        self.norm = nnx.RMSNorm(width, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens) * jnp.sqrt(jnp.float32(self.embed.features))
+        for layer in self.layers:
+            x = layer(x)
+        return self.embed.attend(self.norm(x))
+
+    def init_cache(self, batch, length):
+        for layer in self.layers:
+            layer.attention.init_cache((batch, length, self.embed.features))
+
+
+def test_decoding_with_a_kv_cache_matches_float32_and_traces_once():
+    """Greedy decoding, a token per call: each step's logits are the float32 model's to
+    bfloat16's rounding, the cache (keys, values, index) advances as it does without mpjax
+    and stays in the model's float32, and the steps after the first reuse its trace."""
+    model_calls = []
+
+    class Counted(CachedDecoder):  # counts the traces (NNX copies a list attribute)
+        def __call__(self, tokens):
+            model_calls.append(None)
+            return super().__call__(tokens)
+
+    plain = CachedDecoder(nnx.Rngs(0))
+    plain.init_cache(2, 8)
+    inner = Counted(nnx.Rngs(0))
+    inner.init_cache(2, 8)
+    model = mpjax.flax.wrap(inner, O2)
+    token = jnp.array([[1], [2]])
+    for _ in range(6):
+        ref, out = plain(token), model(token)
+        assert out.dtype == jnp.float32
+        assert rel_err(out, ref) < 0.03
+        token = jnp.argmax(ref[:, -1:], axis=-1)
+    assert len(model_calls) == 1
+    for got, want in zip(model.inner.layers, plain.layers):
+        a, b = got.attention, want.attention
+        assert int(a.cache_index[...]) == int(b.cache_index[...]) == 6
+        assert a.cached_key[...].dtype == b.cached_key[...].dtype == jnp.float32
+        assert rel_err(a.cached_value[...], b.cached_value[...]) < 0.03
 
 
 # -- PRNG keys: constants, arguments and closed-over values are left alone ---------------------
