@@ -95,9 +95,7 @@ def build(cls: type, variant: str, policy: mpjax.Policy, wrapped: Any = None) ->
     if variant == "dtype=":
         model = f32.clone(dtype=policy.compute_dtype)
         tx = optax.adamw(1e-3)
-        scaler = (
-            dynamic_scale.DynamicScale() if policy.compute_dtype == jnp.float16 else None
-        )
+        scaler = dynamic_scale.DynamicScale() if policy.compute_dtype == jnp.float16 else None
 
         def step(params, opt_state, scaler, tokens):
             def loss_fn(p):

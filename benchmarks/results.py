@@ -53,9 +53,7 @@ def main(argv=None) -> None:
     )
     r = compile_overhead.main(["--rounds", str(max(3, args.rounds // 2))])
     raw["compile_overhead"] = r
-    sections.append(
-        f"### Trace + lower time of a train step ({r['policy']})\n\n" + r["markdown"]
-    )
+    sections.append(f"### Trace + lower time of a train step ({r['policy']})\n\n" + r["markdown"])
     info = harness.machine()
     header = [
         "# Benchmark results",
