@@ -13,6 +13,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import gc
 import itertools
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1627,7 +1628,8 @@ def autocast(
         key = _signature(treedef, leaves, dynamic)
         entry = cache.get(key) if key is not None else None
         if entry is None:
-            entry = _build(ctx, fn, leaves, treedef, dynamic, cast_outputs)
+            with _gc_paused():
+                entry = _build(ctx, fn, leaves, treedef, dynamic, cast_outputs)
             if key is not None and entry.cacheable:
                 cache[key] = entry
                 if len(cache) > _CACHE_SIZE:
@@ -1640,6 +1642,24 @@ def autocast(
 
 
 _CACHE_SIZE = 64
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while autocast traces and rewrites a program.
+
+    A trace makes many long-lived objects (two jaxprs' equations, variables and tracers), and
+    each full collection the allocations trigger walks all of them: measured, a quarter of an
+    8-layer GPT's first trace. What a trace drops can wait until it ends: the collector runs
+    again as usual afterwards (and stays off if it was off).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 # Hook for mpjax.compare, which traces a function again with Flax module paths (and float32
 # regions to try) in its name stacks: it sets this while tracing, so that a call cached
