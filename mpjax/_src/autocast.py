@@ -1661,6 +1661,7 @@ def _gc_paused() -> Iterator[None]:
         if was_enabled:
             gc.enable()
 
+
 # Hook for mpjax.compare, which traces a function again with Flax module paths (and float32
 # regions to try) in its name stacks: it sets this while tracing, so that a call cached
 # before, traced without them, is not reused.
