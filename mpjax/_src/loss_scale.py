@@ -343,7 +343,8 @@ class DynamicLossScale:
 
     Raises:
       TypeError: for a bool, non-numeric, non-scalar or traced setting.
-      ValueError: for a NaN, infinite or negative scale or bound, or a knob out of range.
+      ValueError: for a NaN, infinite or negative scale or bound, a minimum above the
+        initial scale or the maximum, or a knob out of range.
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -416,6 +417,13 @@ class DynamicLossScale:
                 f"loss_scale {float(scale_f32)} is above max_loss_scale {max_f}; "
                 "raise max_loss_scale or start lower."
             )
+        if _is_concrete(scale_f32) and 0 < float(scale_f32) < min_f:
+            # jmp accepts this, and its first overflow then raises the scale to the minimum.
+            raise ValueError(
+                f"min_loss_scale {min_f} is above loss_scale {float(scale_f32)}: an overflow "
+                "would raise the scale to the minimum instead of lowering it. Start at or "
+                "above the minimum, or lower min_loss_scale."
+            )
         values = {
             "loss_scale": scale_f32,
             "counter": jnp.asarray(0 if counter is None else counter, jnp.int32),
@@ -468,6 +476,7 @@ class DynamicLossScale:
           The new DynamicLossScale (same structure and dtypes, so jit does not retrace).
 
         Raises:
+          TypeError: if `grads_finite` is a tree (the gradients) instead of the flag.
           ValueError: if `grads_finite` is not a scalar.
 
         Example:
@@ -478,6 +487,14 @@ class DynamicLossScale:
           >>> ls.adjust(mpjax.all_finite({"g": jnp.array([1.0, jnp.inf])})).loss_scale.item()
           16384.0
         """
+        if not hasattr(grads_finite, "shape") and not isinstance(
+            grads_finite, (bool, int, float, np.bool_, np.number)
+        ):
+            raise TypeError(
+                "adjust takes whether this step's gradients were finite, a boolean scalar, "
+                f"not a {type(grads_finite).__name__}: pass mpjax.all_finite(grads), not the "
+                "gradients themselves."
+            )
         finite = jnp.asarray(grads_finite)
         if finite.ndim != 0:
             raise ValueError(
