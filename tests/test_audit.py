@@ -586,6 +586,23 @@ def test_find_nonfinite_under_autocast_finds_a_half_overflow():
     assert (origin.primitive, origin.dtype, origin.kind) == ("exp", "float16", "inf")
 
 
+def test_find_nonfinite_reports_a_nan_that_came_in_with_the_input():
+    """None means every value was finite: a nan in the batch (or a nan constant) is named by
+    its path, an op that made a new one still comes first, and an inf mask fill is not one."""
+    loss = lambda params, batch: jnp.sum(params["w"] * batch["x"])  # noqa: E731
+    w, x = {"w": jnp.ones(3)}, jnp.array([1.0, jnp.nan, 2.0])
+    origin = mpjax.find_nonfinite(loss, w, {"x": x})
+    assert (origin.primitive, origin.name, origin.kind) == ("input", "args[1]['x']", "nan")
+    assert "args[1]['x']" in str(origin) and origin.shape == (3,)
+    origin = mpjax.find_nonfinite(loss, w, batch={"x": x.at[1].set(jnp.inf)})
+    assert (origin.name, origin.kind) == ("kwargs['batch']['x']", "inf")
+    made = mpjax.find_nonfinite(lambda p, b: jnp.log(p["w"] - 1.0).sum() + loss(p, b), w, {"x": x})
+    assert (made.primitive, made.kind) == ("log", "inf")
+    nan, fill = jnp.array([jnp.nan]), jnp.array([-jnp.inf])
+    assert mpjax.find_nonfinite(lambda v: v * nan, jnp.ones(1)).primitive == "constant"
+    assert mpjax.find_nonfinite(lambda v: jnp.maximum(v, fill), jnp.ones(1)) is None
+
+
 def test_find_nonfinite_takes_prng_keys():
     # A typed key's dtype (key<fry>) is not a NumPy dtype; dropout programs carry one.
     def dropout_log(key, x):

@@ -1001,6 +1001,11 @@ class NonFiniteOrigin:
     kind: str
 
     def __str__(self) -> str:
+        what = f"{self.dtype}{list(self.shape)}"
+        if self.primitive == "input":
+            return f"{self.kind} in the input {self.name} ({what})"
+        if self.primitive == "constant":
+            return f"{self.kind} in a constant the function closes over ({what})"
         return (
             f"{self.kind} first produced by {self.primitive} -> {self.dtype}{list(self.shape)} "
             f"in {self.name or '<top level>'} at {self.source or 'unknown source'}"
@@ -1017,6 +1022,35 @@ _CALL_PARAMS = {
 }
 
 
+def _nonfinite_kind(x: Any) -> str | None:
+    """'nan' or 'inf' if the floating array `x` holds one (nan first), else None."""
+    # jnp.issubdtype, not np: a PRNG key's dtype (key<fry>) is not a NumPy dtype.
+    if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
+        return None
+    arr = np.asarray(x, np.float64) if np.dtype(x.dtype).itemsize <= 8 else np.asarray(x)
+    if np.isnan(arr).any():
+        return "nan"
+    if np.isinf(arr).any():
+        return "inf"
+    return None
+
+
+def _nonfinite_input(named: list[tuple[str, Any]], primitive: str) -> NonFiniteOrigin | None:
+    """The first of `named` (name, value) holding an inf or nan, as an origin."""
+    for name, x in named:
+        kind = _nonfinite_kind(x)
+        if kind is not None:
+            return NonFiniteOrigin(
+                primitive=primitive,
+                name=name,
+                source=None,
+                dtype=str(np.dtype(x.dtype)),
+                shape=tuple(np.shape(x)),
+                kind=kind,
+            )
+    return None
+
+
 def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
@@ -1024,16 +1058,7 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jax_compat.Literal) else env[v]
 
-    def bad(x: Any) -> str | None:
-        # jnp.issubdtype, not np: a PRNG key's dtype (key<fry>) is not a NumPy dtype.
-        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
-            return None
-        arr = np.asarray(x, np.float64) if np.dtype(x.dtype).itemsize <= 8 else np.asarray(x)
-        if np.isnan(arr).any():
-            return "nan"
-        if np.isinf(arr).any():
-            return "inf"
-        return None
+    bad = _nonfinite_kind
 
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
@@ -1071,6 +1096,10 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
     """Runs `fn` op by op (eagerly, for debugging) and names the first op that produced an
     inf or nan from finite inputs, with its source line. Returns None if every value is finite.
 
+    When no op made one, an inf or nan that came in with the arguments is reported:
+    ``primitive`` is ``"input"`` and ``name`` the argument's path (``"args[1]['x']"``); then a
+    nan in a value `fn` closes over (``"constant"``; an inf there is usually a mask's fill).
+
     For when even O0 diverges: ``mpjax.find_nonfinite(loss_fn, params, batch)``. Wrap `fn` in
     :func:`mpjax.autocast` to debug it under a policy. Arguments must be arrays or pytrees of
     arrays. It recurses into jit, custom_jvp/vjp and remat; loops run whole.
@@ -1092,6 +1121,15 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
                 f"find_nonfinite takes arrays (or pytrees of arrays), got a {type(leaf).__name__}; "
                 "close over other arguments with functools.partial."
             )
+    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+    named = [
+        (("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:]), x) for p, x in paths
+    ]
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     found, _ = _first_nonfinite(closed.jaxpr, list(closed.consts), leaves, "")
+    if found is None:
+        found = _nonfinite_input(named, "input")
+    if found is None:  # an inf constant is usually a mask's fill: only a nan is reported
+        nans = [("", c) for c in closed.consts if _nonfinite_kind(c) == "nan"]
+        found = _nonfinite_input(nans, "constant")
     return found
