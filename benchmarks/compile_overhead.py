@@ -166,10 +166,10 @@ def measure(cls: type, policy: mpjax.Policy, rounds: int) -> dict[str, Any]:
             t, c = time_step(step, args)
             trace[variant].append(t)
             compile_[variant].append(c)
-    counts = {
-        v: equations(jax.make_jaxpr(build(cls, v, policy)[0])(*build(cls, v, policy)[1]).jaxpr)
-        for v in ("dtype=", "first trace")
-    }
+    counts = {}
+    for variant in ("dtype=", "first trace"):
+        step, args = build(cls, variant, policy)
+        counts[variant] = equations(jax.make_jaxpr(step)(*args).jaxpr)
     return {
         "trace_lower_s": {v: statistics.median(t) for v, t in trace.items()},
         "compile_s": {v: statistics.median(t) for v, t in compile_.items()},

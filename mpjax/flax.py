@@ -265,31 +265,32 @@ class LinenWrapped:
         return self.policy.cast_to_output(out), state
 
     def _autocast(self, method: Any, mutable: Any) -> Callable[..., Any]:
+        """The kept autocast of this (method, mutable), made on the first call."""
+        key = (method, tuple(mutable) if isinstance(mutable, list) else mutable)
+        try:
+            fn = self._traced.get(key)
+        except TypeError:  # an unhashable method or mutable: trace afresh, as jit would
+            return self._new_autocast(method, mutable)
+        if fn is None:
+            fn = self._traced[key] = self._new_autocast(method, mutable)
+            if len(self._traced) > _TRACED_SIZE:
+                self._traced.popitem(last=False)
+        self._traced.move_to_end(key)
+        return fn
+
+    def _new_autocast(self, method: Any, mutable: Any) -> Callable[..., Any]:
         def run(variables: Any, rngs: Any, args: Any, kwargs: Any) -> Any:
             with nn.intercept_methods(self._intercept):
                 return self.module.apply(
                     variables, *args, rngs=rngs, method=method, mutable=mutable, **kwargs
                 )
 
-        def build() -> Callable[..., Any]:
-            return autocast(
-                run,
-                self.policy,
-                rules=self._resolver.markers,
-                cast_outputs=False if mutable is False else _state_as_without_mpjax,
-            )
-
-        key = (method, tuple(mutable) if isinstance(mutable, list) else mutable)
-        try:
-            fn = self._traced.get(key)
-        except TypeError:  # an unhashable method or mutable: trace afresh, as jit would
-            return build()
-        if fn is None:
-            fn = self._traced[key] = build()
-            if len(self._traced) > _TRACED_SIZE:
-                self._traced.popitem(last=False)
-        self._traced.move_to_end(key)
-        return fn
+        return autocast(
+            run,
+            self.policy,
+            rules=self._resolver.markers,
+            cast_outputs=False if mutable is False else _state_as_without_mpjax,
+        )
 
 
 # How many (method, mutable) pairs a linen wrapper keeps traced.

@@ -172,6 +172,11 @@ def _float32_activations(f, *args, size):
     ]
 
 
+def _flat(tree):
+    """Every leaf of `tree`, raveled into one array."""
+    return np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
+
+
 @pytest.mark.parametrize("half", HALVES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("model", ["transformer", "convnet"])
 def test_float32_islands_keep_half_residuals(model, half, tokens, images):
@@ -193,8 +198,7 @@ def test_float32_islands_keep_half_residuals(model, half, tokens, images):
     assert sum(ours.values()) <= sum(theirs.values()), (ours, theirs)
     f32 = _losses(module, x, y, mpjax.Policy.from_level("O0"))[0]
     g, g_ref = jax.jit(jax.grad(o2))(params), jax.jit(jax.grad(f32))(params)
-    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
-    assert rel_err(flat(g), flat(g_ref)) < (0.05 if half == jnp.bfloat16 else 0.01)
+    assert rel_err(_flat(g), _flat(g_ref)) < (0.05 if half == jnp.bfloat16 else 0.01)
 
 
 def _remat_layer(w, x):
@@ -345,8 +349,7 @@ def test_flax_remat_keeps_its_policy_and_saves_no_more_than_the_dtype_model(api,
     assert not _float32_activations(ours, ours_params, x, size=16 * 32), ours_b
     g = jax.jit(jax.grad(ours))(ours_params, x)
     g_ref = jax.jit(jax.grad(reference))(params, x)
-    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
-    assert rel_err(flat(g), flat(g_ref)) < 0.05
+    assert rel_err(_flat(g), _flat(g_ref)) < 0.05
 
 
 class _Norms(nn.Module):
@@ -387,6 +390,5 @@ def test_the_same_island_in_every_layer_is_traced_once():
     mixed, params, loss = remats(module)
     assert len(mixed) == 4 and len({id(e.params["jaxpr"]) for e in mixed}) == 2
     ref = lambda p: jnp.sum(module.apply({"params": p}, x) ** 2)  # noqa: E731
-    flat = lambda t: np.concatenate([np.ravel(a) for a in jax.tree.leaves(t)])  # noqa: E731
     g, g_ref = jax.jit(jax.grad(loss))(params), jax.jit(jax.grad(ref))(params)
-    assert rel_err(flat(g), flat(g_ref)) < 0.05
+    assert rel_err(_flat(g), _flat(g_ref)) < 0.05

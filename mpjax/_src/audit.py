@@ -1007,7 +1007,7 @@ class NonFiniteOrigin:
         if self.primitive == "constant":
             return f"{self.kind} in a constant the function closes over ({what})"
         return (
-            f"{self.kind} first produced by {self.primitive} -> {self.dtype}{list(self.shape)} "
+            f"{self.kind} first produced by {self.primitive} -> {what} "
             f"in {self.name or '<top level>'} at {self.source or 'unknown source'}"
         )
 
@@ -1035,11 +1035,13 @@ def _nonfinite_kind(x: Any) -> str | None:
     return None
 
 
-def _nonfinite_input(named: list[tuple[str, Any]], primitive: str) -> NonFiniteOrigin | None:
-    """The first of `named` (name, value) holding an inf or nan, as an origin."""
+def _nonfinite_input(
+    named: list[tuple[str, Any]], primitive: str, kinds: tuple[str, ...] = ("nan", "inf")
+) -> NonFiniteOrigin | None:
+    """The first of `named` (name, value) holding one of `kinds`, as an origin."""
     for name, x in named:
         kind = _nonfinite_kind(x)
-        if kind is not None:
+        if kind in kinds:
             return NonFiniteOrigin(
                 primitive=primitive,
                 name=name,
@@ -1058,13 +1060,11 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jax_compat.Literal) else env[v]
 
-    bad = _nonfinite_kind
-
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
         key = _CALL_PARAMS.get(eqn.primitive.name)
-        if key is not None and all(bad(x) is None for x in invals):
+        if key is not None and all(_nonfinite_kind(x) is None for x in invals):
             sub = eqn.params[key]
             sub_jaxpr, sub_consts = (
                 (sub.jaxpr, list(sub.consts)) if hasattr(sub, "consts") else (sub, [])
@@ -1076,8 +1076,8 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> Any:
             outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
             if not eqn.primitive.multiple_results:
                 outs = [outs]
-            kinds = [bad(x) for x in outs]
-            if any(kinds) and all(bad(x) is None for x in invals):
+            kinds = [_nonfinite_kind(x) for x in outs]
+            if any(kinds) and all(_nonfinite_kind(x) is None for x in invals):
                 out = outs[[k is not None for k in kinds].index(True)]
                 return NonFiniteOrigin(
                     primitive=eqn.primitive.name,
@@ -1114,22 +1114,21 @@ def find_nonfinite(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> NonFini
     """
     if not callable(fn):
         raise TypeError(f"find_nonfinite needs a function, got {type(fn).__name__}.")
-    leaves = jax.tree_util.tree_leaves((args, kwargs))
+    paths, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [x for _, x in paths]
     for leaf in leaves:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, float, int, bool)):
             raise TypeError(
                 f"find_nonfinite takes arrays (or pytrees of arrays), got a {type(leaf).__name__}; "
                 "close over other arguments with functools.partial."
             )
-    paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
-    named = [
-        (("args" if p[0].idx == 0 else "kwargs") + jax.tree_util.keystr(p[1:]), x) for p, x in paths
-    ]
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     found, _ = _first_nonfinite(closed.jaxpr, list(closed.consts), leaves, "")
     if found is None:
-        found = _nonfinite_input(named, "input")
+        found = _nonfinite_input(
+            [(("args", "kwargs")[p[0].idx] + jax.tree_util.keystr(p[1:]), x) for p, x in paths],
+            "input",
+        )
     if found is None:  # an inf constant is usually a mask's fill: only a nan is reported
-        nans = [("", c) for c in closed.consts if _nonfinite_kind(c) == "nan"]
-        found = _nonfinite_input(nans, "constant")
+        found = _nonfinite_input([("", c) for c in closed.consts], "constant", kinds=("nan",))
     return found
