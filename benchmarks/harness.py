@@ -80,8 +80,9 @@ def machine() -> dict[str, Any]:
 
 def matmul_peak_tflops(dtype: Any, n: int, repeats: int = 10) -> float:
     """A measured matmul peak: TFLOP/s of an n x n x n matmul in `dtype` (best of repeats)."""
-    a = jnp.ones((n, n), dtype)
-    b = jnp.ones((n, n), dtype)
+    # Random operands: zeros or ones can run faster than real data on a GPU.
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     f = jax.jit(lambda a, b: a @ b)
     block(f(a, b))
     best = float("inf")
@@ -92,19 +93,24 @@ def matmul_peak_tflops(dtype: Any, n: int, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e12
 
 
-def compiled_memory_mb(jitted: Any, *args: Any) -> float | None:
-    """Temp + argument + output bytes from XLA's memory analysis, in MiB (None if absent)."""
+def compile_once(jitted: Any, *args: Any) -> tuple[Any, float | None]:
+    """The compiled step (called in place of `jitted`, so each variant compiles once) and its
+    temp + argument + output bytes from XLA's memory analysis, in MiB (None if absent)."""
     try:
-        analysis = jitted.lower(*args).compile().memory_analysis()
+        compiled = jitted.lower(*args).compile()
+    except TypeError:  # jmp's DynamicLossScale cannot be lowered ahead of time: run it jitted
+        return jitted, None
+    try:
+        analysis = compiled.memory_analysis()
     except Exception:  # noqa: BLE001 - not every backend reports it
-        return None
+        analysis = None
     if analysis is None:
-        return None
+        return compiled, None
     total = sum(
         getattr(analysis, name, 0) or 0
         for name in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
     )
-    return total / 2**20
+    return compiled, total / 2**20
 
 
 def write(path: str | None, result: dict[str, Any]) -> None:

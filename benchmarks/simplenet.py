@@ -29,6 +29,7 @@ import mpjax  # noqa: E402
 SIZES = {"tiny": (64, 32), "small": (512, 256), "medium": (2048, 512), "paper": (8192, 2048)}
 DEPTH = 9
 LR = 1e-4
+HAND_BF16 = "hand-written bfloat16 (.astype)"
 
 
 def init(key, width: int):
@@ -72,6 +73,22 @@ def mpjax_step(policy_or_precision, params, x, y):
     return jax.jit(step, donate_argnums=(0, 1)), (params, tx.init(params), x, y)
 
 
+def astype_step(params, x, y, dtype=jnp.bfloat16):
+    """The hand-written half step a JAX expert writes: float32 params, the params and inputs
+    cast with ``.astype`` inside the loss, plain SGD (bfloat16 needs no loss scale)."""
+
+    def step(params, x, y):
+        def loss_fn(p):
+            half = jax.tree_util.tree_map(lambda a: a.astype(dtype), p)
+            return mse(simplenet(half, x.astype(dtype)), y)
+
+        grads = jax.grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads), x, y
+
+    params = jax.tree_util.tree_map(jnp.copy, params)  # donated below
+    return jax.jit(step, donate_argnums=(0,)), (params, x, y)
+
+
 def jmp_step(params, x, y):
     """The peer: O2 written by hand with jmp (policy casts, DynamicLossScale, select_tree)."""
     import jmp
@@ -97,11 +114,13 @@ def jmp_step(params, x, y):
 
 
 def torch_steps(width: int, batch: int, seed: int):
-    """torch.amp autocast + GradScaler on the same device (float16 and bfloat16), and float32."""
+    """torch.amp autocast + GradScaler on the same device (float16 and bfloat16), and float32,
+    each warmed up; with the peak device memory each one's model, optimizer and first steps
+    allocated (MiB, on a GPU)."""
     try:
         import torch
     except ImportError:
-        return {}, None
+        return {}, None, {}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(seed)
     x = torch.randn(batch, width, device=device)
@@ -133,12 +152,19 @@ def torch_steps(width: int, batch: int, seed: int):
         if device == "cuda":
             torch.cuda.synchronize()
 
-    steps = {
-        "torch float32": make(torch.float32),
-        "torch.amp float16": make(torch.float16),
-        "torch.amp bfloat16": make(torch.bfloat16),
-    }
-    return steps, sync
+    steps, memory = {}, {}
+    dtypes = {"torch float32": torch.float32, "torch.amp float16": torch.float16}
+    for name, dtype in {**dtypes, "torch.amp bfloat16": torch.bfloat16}.items():
+        base = torch.cuda.memory_allocated() if device == "cuda" else 0
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        steps[name] = make(dtype)
+        for _ in range(2):  # warm up (the second step has the optimizer's state)
+            steps[name]()
+        if device == "cuda":
+            sync(None)
+            memory[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return steps, sync, memory
 
 
 def main(argv=None) -> dict:
@@ -160,6 +186,7 @@ def main(argv=None) -> dict:
     builders = [
         (name, lambda p=p: mpjax_step(p, params, x, y)) for name, p in harness.level_variants()
     ]
+    builders.append((HAND_BF16, lambda: astype_step(params, x, y)))
     try:
         import jmp  # noqa: F401
 
@@ -168,7 +195,7 @@ def main(argv=None) -> dict:
         print("jmp not installed: its variant is left out")
     for name, build in builders:
         step, state = build()
-        memory[name] = harness.compiled_memory_mb(step, *state)
+        step, memory[name] = harness.compile_once(step, *state)
         state = step(*state)  # compile, and warm up
         harness.block(state)
         states[name] = state
@@ -180,11 +207,11 @@ def main(argv=None) -> dict:
 
         variants[name] = run
     torch_names: list[str] = []
+    torch_memory: dict[str, float] = {}
     sync = harness.block
     if not args.no_torch:
-        torch_runs, torch_sync = torch_steps(width, batch, 0)
+        torch_runs, torch_sync, torch_memory = torch_steps(width, batch, 0)
         for name, run in torch_runs.items():
-            run()  # warm up
             variants[name] = lambda r=run: [r() for _ in range(args.steps)]
             torch_names.append(name)
         if torch_runs:
@@ -212,7 +239,7 @@ def main(argv=None) -> dict:
         # torch runs in the same rounds as JAX, so its ratios to JAX's O0 are paired too.
         torch_rows, torch_text = harness.report(
             "torch on the same device (interleaved with the JAX variants)",
-            torch_times, flops, {}, "O0 default", peak, peak_label,
+            torch_times, flops, torch_memory, "O0 default", peak, peak_label,
         )  # fmt: skip
 
     def ratio(a, b):
@@ -231,6 +258,9 @@ def main(argv=None) -> dict:
         targets.append(
             ("mpjax O2 no slower than hand-written jmp (ratio <= 1.0)", r <= 1.0, f"{r:.3f}")
         )
+    r = ratio("O2 bfloat16", HAND_BF16)
+    targets.append(("mpjax O2 bf16 within 1.03x of the hand-written bf16 step", r <= 1.03,
+                    f"{r:.3f}"))  # fmt: skip
     o2bf = next(row for row in rows if row["variant"] == "O2 bfloat16")
     if gpu:
         targets.append(("O2 bf16 >= 75% of measured bf16 peak", o2bf["share_of_peak"] >= 0.75,
@@ -250,6 +280,13 @@ def main(argv=None) -> dict:
         targets.append(
             (f"mpjax {best_ours} faster than {best_amp} (paired ratio < 1)", r < 1, f"{r:.3f}")
         )
+        if gpu:
+            r = harness.paired_ratio(both, "O2 bfloat16", "torch.amp float16")
+            targets.append(("mpjax O2 bf16 <= 0.8x torch.amp float16 + GradScaler", r <= 0.8,
+                            f"{r:.3f}"))  # fmt: skip
+            r = harness.paired_ratio(both, "O2 bfloat16", "torch.amp bfloat16")
+            targets.append(("mpjax O2 bf16 no slower than torch bfloat16 autocast", r <= 1.0,
+                            f"{r:.3f}"))  # fmt: skip
     target_text = harness.table(
         ["target", "met", "measured"], [[t, "yes" if ok else "NO", m] for t, ok, m in targets]
     )
