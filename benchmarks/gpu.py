@@ -157,9 +157,8 @@ def fp8_gemms(size: str) -> dict:
 
 
 def run_sections(args) -> dict:
-    import jax
-
     import harness
+    import jax
 
     os.makedirs(args.out, exist_ok=True)
     info = harness.machine()
@@ -170,7 +169,8 @@ def run_sections(args) -> dict:
         info["flax"], info["optax"] = flax.__version__, optax.__version__
     except ImportError:
         pass
-    command = "python benchmarks/gpu.py " + " ".join(sys.argv[1:])
+    argv = [a if a != args.out else os.path.basename(args.out.rstrip("/")) for a in sys.argv[1:]]
+    command = "python benchmarks/gpu.py " + " ".join(argv)
     header = [
         f"- Machine: {info['device']} ({info['backend']}), {info['device_count']} device(s); "
         f"{info['host']}; CPU {info.get('cpu', '?')}",

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 
 def block(tree: Any) -> Any:

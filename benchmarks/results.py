@@ -2,7 +2,9 @@
 machine, versions and command that produced the numbers.
 
     python benchmarks/results.py                 # CPU-sized runs
-    python benchmarks/results.py --size paper    # SimpleNet at the tutorial's size (a GPU)
+    python benchmarks/results.py --size paper    # SimpleNet at the tutorial's size
+
+On a GPU, `benchmarks/gpu.py` measures the GPU targets; its section of RESULTS.md is kept here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import compile_overhead  # noqa: E402
+import gpu  # noqa: E402
 import harness  # noqa: E402
 import loss_scale_overhead  # noqa: E402
 import memory  # noqa: E402
@@ -78,11 +81,21 @@ def main(argv=None) -> None:
             "above), which is why torch.amp bfloat16 can beat every XLA variant here.\n"
             "- The GPU targets (>= 75% of the bf16 matmul peak, >= 8x over O0 'highest', "
             ">= 1.5x over O0 TF32, loss-scale overhead <= 1%, faster than torch.amp on the same "
-            "GPU) are open: this run had no GPU. Run `python benchmarks/results.py --size paper` "
-            "on one to fill them in."
+            "GPU) are measured on a GPU by `python benchmarks/gpu.py`: see the GPU section "
+            "below."
         )
+    text = "\n".join(header) + "\n" + "\n\n".join(sections) + "\n"
+    try:  # the GPU section (benchmarks/gpu.py --merge) stays until a GPU run replaces it
+        with open(args.out) as f:
+            old = f.read()
+        if gpu.BEGIN in old:
+            text += (
+                "\n" + gpu.BEGIN + old.split(gpu.BEGIN, 1)[1].split(gpu.END, 1)[0] + gpu.END + "\n"
+            )
+    except OSError:
+        pass
     with open(args.out, "w") as f:
-        f.write("\n".join(header) + "\n" + "\n\n".join(sections) + "\n")
+        f.write(text)
     with open(os.path.splitext(args.out)[0].lower() + ".json", "w") as f:
         json.dump(raw, f, indent=2, default=str)
     print(f"wrote {args.out}")

@@ -675,3 +675,14 @@ def test_a_half_sum_over_size_one_axes_is_not_a_risk():
     t = jnp.ones((2, 4), jnp.float16)
     assert mpjax.audit(lambda t: total(t, (2, 1, 1, 4)), t).risks == ()
     assert [r.op for r in mpjax.audit(lambda t: total(t, (2, 5, 1, 4)), t).risks] == ["reduce_sum"]
+
+
+def test_gpu_library_gemms_are_read_from_optimized_hlo():
+    # The entry computation of SimpleNet's O2 bfloat16 train step (9 x Linear 8192, batch
+    # 2048) as XLA compiled it for an NVIDIA H200 (JAX 0.11.2), metadata stripped. A GPU's
+    # library gemm returns a tuple (the product and cuBLAS's workspace); the reader missed
+    # every one of them, so the audit reported no gemms at all for this step.
+    text = (pathlib.Path(__file__).parent / "data" / "h200_simplenet_o2_bf16.hlo.txt").read_text()
+    found, _ = audit_module._parse_compiled(text)
+    # 9 forward gemms, 9 weight-gradient gemms, 8 input-gradient gemms (none for the input).
+    assert found == [("__cublas$lt$matmul", ("bfloat16", "bfloat16"))] * 26

@@ -15,12 +15,13 @@ def test_simplenet_reports_every_variant_and_target():
     names = [row["variant"] for row in result["rows"]]
     assert names[:2] == ["O0 default", "O0 highest"]
     assert {"O1 float16", "O2 bfloat16", "O3 float16", "O2 float16 no scaling"} <= set(names)
-    assert "jmp O2 float16 (hand-written)" in names
+    assert {"jmp O2 float16 (hand-written)", "hand-written bfloat16 (.astype)"} <= set(names)
     assert all(row["median_ms"] > 0 and row["tflops"] > 0 for row in result["rows"])
     assert result["flops_per_step"] == 2 * 32 * 64 * 64 * 26
     targets = [t["target"] for t in result["targets"]]
     assert any("loss-scale overhead" in t for t in targets)
     assert any("hand-written jmp" in t for t in targets)
+    assert any("within 1.03x of the hand-written bf16 step" in t for t in targets)
     assert "| O2 bfloat16 |" in result["markdown"]
 
 
@@ -29,7 +30,9 @@ def test_simplenet_reports_every_variant_and_target():
 def test_flax_model_benchmarks_run(model):
     models = pytest.importorskip("models")
     result = models.main(["--model", model, "--size", "tiny", "--rounds", "1", "--steps", "1"])
-    assert len(result["rows"]) == 9 and result["flops_per_step"] > 0
+    names = [row["variant"] for row in result["rows"]]
+    assert len(names) == 10 and names[-1] == "hand-written bfloat16 (dtype=)"
+    assert result["flops_per_step"] > 0
     assert -1 < result["loss_scale_overhead"] < 10
 
 
@@ -99,3 +102,28 @@ def test_sharding_benchmark_meets_its_o2_targets_on_8_devices(tmp_path):
         met = {t["target"]: t["met"] for t in result["targets"]}
         o2 = {t: m for t, m in met.items() if t.startswith("O2") and "temp" not in t}
         assert len(o2) == 2 and all(o2.values()), result["targets"]
+
+
+def test_gpu_results_merge_into_results_md_and_replace_an_earlier_run(tmp_path):
+    gpu = pytest.importorskip("gpu")
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\n### CPU rows\n")
+    for run in ("first", "second"):
+        (tmp_path / "gpu.md").write_text(f"## GPU\n\n{run} run\n")
+        gpu.merge(str(tmp_path / "gpu.md"), str(results))
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\n### CPU rows\n")
+    assert "second run" in text and "first run" not in text
+    assert text.count(gpu.BEGIN) == 1 and text.count(gpu.END) == 1
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_its_sections_on_cpu_and_saves_each(tmp_path):
+    gpu = pytest.importorskip("gpu")
+    out = tmp_path / "out"
+    gpu.main(["--out", str(out), "--size", "tiny", "--model-size", "tiny", "--rounds", "1",
+              "--only", "ceilings,simplenet_audit"])  # fmt: skip
+    text = (out / "gpu.md").read_text()
+    assert "failed" not in text and "| x.astype(bf16).astype(f32) rounds" in text
+    # On a CPU XLA runs half matmuls in float32: the audit counts them as float32 gemms.
+    assert "| O2 bfloat16 | dot float32xfloat32: 26 | 26 |" in text

@@ -529,7 +529,9 @@ def _compile(lowered: Any) -> tuple[str | None, str | None]:
             return text, f.read()
 
 
-_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(\w+)\[[^=]*?\s([\w\-]+)\((.*)$")
+# An instruction, its result dtype (the first element's for a tuple, which is what a GPU's
+# library gemm returns: (bf16[m,n], s8[workspace])), opcode and the rest of the line.
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\(?(\w+)\[[^=]*?\s([\w\-]+)\((.*)$")
 _HLO_MATMUL_TARGET = re.compile(r"gemm|conv|matmul", re.I)
 
 
