@@ -29,6 +29,7 @@ from mpjax._src.policy import (
     parse_dtype,
 )
 from mpjax._src.transform import (
+    HalfAdamWarning,
     InexactSkipWarning,
     LossScaleState,
     NonFiniteLeaves,
@@ -70,6 +71,7 @@ __all__ = (
     "F32Rules",
     "HardwareWarning",
     "HalfUpdatesState",
+    "HalfAdamWarning",
     "InexactSkipWarning",
     "all_finite",
     "accumulate_gradients",

@@ -557,3 +557,53 @@ def test_accumulate_gradients_bad_input_names_the_fix(k, dtype, words):
         mpjax.accumulate_gradients(
             jax.grad(lambda w, x: jnp.sum(x * w)), 1.0, jnp.ones(8), k, dtype=dtype
         )
+
+
+def test_float16_adam_eps_underflow_never_reaches_the_params():
+    # O3 float16 params with optax.adam's default eps=1e-8, which is 0 in float16: a leaf
+    # whose gradient is zero has a zero second moment, and its update is 0 / 0 = NaN from
+    # finite gradients. The loss scale checks gradients; the wrap form checks the updates too.
+    params = {"w": jnp.ones(4, jnp.float16), "frozen": jnp.ones(2, jnp.float16)}
+    with pytest.warns(mpjax.HalfAdamWarning, match="eps=1e-4"):
+        tx = mpjax.loss_scale(optax.adam(1e-3))
+        state = tx.init(params)
+    # Gradients of the loss scaled by the default 2**15: 0.5 once unscaled.
+    grads = {"w": jnp.full(4, 2.0**14, jnp.float16), "frozen": jnp.zeros(2, jnp.float16)}
+    step = jax.jit(
+        lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(grads, s, p))
+    )
+    new, new_state = step(params, state)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(new))
+    assert jax.tree_util.tree_all(
+        jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), new, params)
+    )
+    metrics = mpjax.loss_scale_metrics(new_state)
+    assert int(metrics["skipped_steps"]) == 1 and not bool(metrics["last_step_finite"])
+    # The inner state is the one before the step, bit for bit.
+    same = jax.tree_util.tree_map(
+        lambda a, b: bool((a == b).all()), new_state.inner_state, state.inner_state
+    )
+    assert jax.tree_util.tree_all(same)
+    # A larger eps trains: no warning, and every step is taken and moves the params.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.HalfAdamWarning)
+        tx = mpjax.loss_scale(optax.adam(1e-3, eps=1e-4))
+    state = tx.init(params)
+    new, new_state = jax.jit(
+        lambda p, s: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(grads, s, p))
+    )(params, state)
+    assert int(mpjax.loss_scale_metrics(new_state)["skipped_steps"]) == 0
+    assert bool((new["w"] < 1).all())
+
+
+def test_check_updates_is_off_for_float32_params_and_refused_in_the_chain_form():
+    params = {"w": jnp.ones(3)}
+    tx = mpjax.loss_scale(optax.sgd(jnp.inf))  # an inf update from finite gradients
+    upd, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+    assert int(mpjax.loss_scale_metrics(state)["skipped_steps"]) == 0  # float32: not checked
+    tx = mpjax.loss_scale(optax.sgd(jnp.inf), check_updates=True)
+    upd, state = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+    assert int(mpjax.loss_scale_metrics(state)["skipped_steps"]) == 1
+    assert bool((upd["w"] == 0).all())
+    with pytest.raises(ValueError, match="wraps none"):
+        mpjax.loss_scale(check_updates=True)

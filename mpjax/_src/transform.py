@@ -156,6 +156,7 @@ def loss_scale(
     scale: ls_lib.LossScale | None = None,
     track_nonfinite: bool = False,
     axis_name: Any = None,
+    check_updates: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Loss scaling as an optax transformation: unscale, check finite, skip, adjust.
 
@@ -191,6 +192,13 @@ def loss_scale(
       track_nonfinite: record which gradient leaves were non-finite on the last step
         (:func:`nonfinite_leaves` names them). It reuses the per-leaf flags of the finite
         check, so it costs one small boolean array.
+      check_updates: wrap form only: also check that the inner optimizer's updates are
+        finite, and skip (and count) a step whose updates are not, even when its gradients
+        were. Half params can make a non-finite update from finite gradients (float16 Adam:
+        ``eps=1e-8`` rounds to zero, so a zero second moment divides by zero). Default
+        (None): on exactly when a float param leaf is float16 or bfloat16, since the check
+        reads every update once more. The loss scale still adjusts on the gradients alone:
+        a smaller scale cannot mend such an update.
       axis_name: under ``pmap``/``shard_map`` with gradients that are *not* all-reduced
         before this transformation, the mapped axis (or axes) to combine the finite check
         over, so that every replica skips together. Not needed after an all-reduce (e.g.
@@ -226,9 +234,17 @@ def loss_scale(
             f"{scale!r}; e.g. scale=mpjax.DynamicLossScale(2.0**15) or scale=policy.loss_scale()."
         )
     initial_scale = scale
+    if check_updates and inner_tx is None:
+        raise ValueError(
+            "loss_scale(check_updates=True) checks the updates of the optimizer it wraps, and "
+            "the chain form wraps none: pass it, e.g. mpjax.loss_scale(optax.adam(1e-3), "
+            "check_updates=True)."
+        )
 
     def init(params: optax.Params) -> LossScaleState:
         _check_has_floats(params, "params")
+        if inner_tx is not None:
+            _warn_half_adam_eps(params, inner_tx)
         nonfinite = None
         if track_nonfinite:
             paths = _float_leaf_paths(params)
@@ -287,6 +303,11 @@ def loss_scale(
             # keep their own buffers (measured: +24% temp memory on the digits CNN's step).
             # select(finite, new, old) returns `old` bit for bit, NaNs in `new` or not.
             new_updates, proposed = inner_tx.update(grads, state.inner_state, params, **extra_args)
+            if _checks_updates(check_updates, params if params is not None else updates):
+                # A step whose updates are not finite is skipped like an overflow, and
+                # counted, so no inf or NaN reaches the params (the scale adjusted above, on
+                # the gradients).
+                finite = finite & jnp.all(ls_lib.leaf_finite_flags(new_updates))
             inner_state = jax.tree_util.tree_map(
                 lambda new, old: _select(finite, new, jnp.asarray(old, new.dtype)),
                 proposed,
@@ -313,6 +334,47 @@ def loss_scale(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def _checks_updates(check_updates: bool | None, params: Any) -> bool:
+    if check_updates is not None:
+        return bool(check_updates)
+    leaves = jax.tree_util.tree_leaves(params)
+    return any(ls_lib._is_float_leaf(x) and jnp.dtype(x.dtype) in _HALF for x in leaves)
+
+
+def _warn_half_adam_eps(params: Any, inner: optax.GradientTransformation) -> None:
+    """Warns when float16 params meet an optimizer that makes a non-finite update from a zero
+    float16 gradient (optax's Adam family: its eps=1e-8 is zero in float16)."""
+    if not any(
+        ls_lib._is_float_leaf(x) and jnp.dtype(x.dtype) == jnp.float16
+        for x in jax.tree_util.tree_leaves(params)
+    ):
+        return
+    probe = {"p": jnp.ones([1], jnp.float16)}
+    try:  # one float16 element with a zero gradient: what does the optimizer make of it?
+        update, _ = inner.update({"p": jnp.zeros([1], jnp.float16)}, inner.init(probe), probe)
+        bad = not bool(jnp.all(jnp.isfinite(update["p"])))
+    except Exception:  # noqa: BLE001 - needs the params' structure, or traced: look at the state
+        is_adam = lambda s: isinstance(s, optax.ScaleByAdamState)
+        state = jax.eval_shape(inner.init, params)
+        adam = [s for s in jax.tree_util.tree_leaves(state, is_leaf=is_adam) if is_adam(s)]
+        bad = any(
+            jnp.dtype(x.dtype) == jnp.float16 for s in adam for x in jax.tree_util.tree_leaves(s.nu)
+        )
+    if bad:
+        warnings.warn(
+            "mpjax.loss_scale: float16 params, and the optimizer makes a non-finite update from "
+            "a zero float16 gradient (Adam's moments are float16 too, where optax's default "
+            "eps=1e-8 rounds to zero). loss_scale skips such steps (check_updates), but to "
+            "train, keep float32 params (O2: Policy.from_level('O2', 'float16')), use "
+            "bfloat16, or pass a larger eps (optax.adam(1e-3, eps=1e-4)).",
+            HalfAdamWarning,
+            stacklevel=3,
+        )
 
 
 def _select(pred: jax.Array, new: Any, old: Any) -> Any:
@@ -353,6 +415,22 @@ class InexactSkipWarning(UserWarning):
       ...     _ = mpjax.get_loss_scale(state)
       >>> caught[0].category.__name__
       'InexactSkipWarning'
+    """
+
+
+class HalfAdamWarning(UserWarning):
+    """float16 params meet an Adam-family optimizer whose moments are float16 too, where
+    optax's default ``eps=1e-8`` rounds to zero: a zero second moment then makes an infinite
+    or NaN update from finite gradients. The wrap form of :func:`loss_scale` skips those
+    steps; to train, keep float32 params (O2), use bfloat16, or pass a larger eps.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp, optax, mpjax
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = mpjax.loss_scale(optax.adam(1e-3)).init({"w": jnp.ones(2, jnp.float16)})
+      >>> caught[0].category.__name__
+      'HalfAdamWarning'
     """
 
 
