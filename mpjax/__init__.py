@@ -39,6 +39,7 @@ from mpjax._src.transform import (
     loss_scale,
     loss_scale_metrics,
     nonfinite_leaves,
+    value_and_grad,
 )
 
 __version__ = "0.1.0"
@@ -93,6 +94,7 @@ __all__ = (
     "loss_scale",
     "loss_scale_metrics",
     "nonfinite_leaves",
+    "value_and_grad",
     "parse_dtype",
     "select_tree",
     "stochastic_round",

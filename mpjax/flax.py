@@ -639,16 +639,63 @@ class TrainState(train_state.TrainState):
           >>> loss.item(), grads["w"].tolist()   # the loss unscaled, the grads of 8 * loss
           (6.0, [24.0, 24.0])
         """
-        scale = self.loss_scale
+        return transform.value_and_grad(loss_fn, has_aux=has_aux)(
+            self.opt_state, self.params, *args
+        )
 
-        def scaled(params: Any) -> Any:
-            out = loss_fn(params, *args)
-            if has_aux:
-                return scale.scale(out[0]), out
-            return scale.scale(out), out
 
-        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(self.params)
+def value_and_grad(fun: Callable, optimizer: Any, *, has_aux: bool = False) -> Callable:
+    """NNX's loss scaling: ``g(model, *args) -> (value, grads)`` for ``optimizer.update``.
+
+    The NNX counterpart of :func:`mpjax.value_and_grad` and linen's :meth:`TrainState.grad`:
+    it scales ``fun(model, *args)`` by the current scale of the ``mpjax.loss_scale`` in
+    ``optimizer`` (an ``nnx.Optimizer``), differentiates it with ``nnx.value_and_grad``
+    (with respect to the model's ``nnx.Param`` s), and returns the loss unscaled and the
+    gradients of the scaled loss, which ``optimizer.update(model, grads)`` unscales, checks,
+    skips and adjusts. Call it inside the ``nnx.jit`` train step.
+
+    Args:
+      fun: the loss, ``fun(model, *args, **kwargs)`` returning a float scalar (or
+        ``(loss, aux)`` with `has_aux`).
+      optimizer: the ``nnx.Optimizer`` whose ``tx`` holds ``mpjax.loss_scale``.
+      has_aux: whether `fun` returns ``(loss, aux)``.
+
+    Returns:
+      A function of ``(model, *args, **kwargs)``.
+
+    Raises:
+      ValueError: if the optimizer's state holds no loss-scale state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, mpjax, mpjax.flax
+      >>> from flax import nnx
+      >>> policy = mpjax.Policy.from_level("O2", "float16")
+      >>> model = mpjax.flax.wrap(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), policy)
+      >>> tx = mpjax.loss_scale(optax.adam(1e-2), scale=policy.loss_scale())
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, x, y):
+      ...     loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
+      ...     loss, grads = mpjax.flax.value_and_grad(loss_fn, optimizer)(model)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
+      >>> losses = [float(train_step(model, optimizer, x, y)) for _ in range(5)]
+      >>> losses[-1] < losses[0], int(mpjax.loss_scale_metrics(optimizer.opt_state)["skipped_steps"])
+      (True, 0)
+    """
+
+    def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
+        scale = transform.get_loss_scale(optimizer.opt_state)
+
+        def scaled(m: Any, *a: Any, **k: Any) -> Any:
+            out = fun(m, *a, **k)
+            return scale.scale(out[0] if has_aux else out), out
+
+        (_, out), grads = nnx.value_and_grad(scaled, has_aux=True)(model, *args, **kwargs)
         return out, grads
 
+    return wrapped
 
-__all__ = ["LinenWrapped", "NNXWrapped", "TrainState", "wrap"]
+
+__all__ = ["LinenWrapped", "NNXWrapped", "TrainState", "value_and_grad", "wrap"]

@@ -558,3 +558,48 @@ def test_wrapped_nnx_modules_are_traced_once_per_graph_and_signature():
         jnp.float32
     ) + model.inner.linear.bias[...].astype(jnp.float32)
     np.testing.assert_allclose(np.asarray(after, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_nnx_value_and_grad_is_the_hand_scaled_step_bit_for_bit(half, rng):
+    # The helper does what the hand-written NNX step does (scale, differentiate, return the
+    # loss unscaled) through the optimizer's own scale: the same params, state and losses.
+    policy = mpjax.Policy.from_level("O2", half)
+    cls, shape = NNX["mlp"]
+    x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    labels = jnp.arange(shape[0]) % 10
+    runs = []
+    for helper in (False, True):
+        model = mpjax.flax.wrap(cls(nnx.Rngs(0)), policy)
+        tx = mpjax.loss_scale(optax.adam(1e-2), scale=policy.loss_scale())
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            if helper:
+                fn = lambda m: ce_loss(m(x), labels)
+                loss, grads = mpjax.flax.value_and_grad(fn, optimizer)(model)
+            else:
+                scale = mpjax.get_loss_scale(optimizer.opt_state)
+                fn = lambda m: scale.scale(ce_loss(m(x), labels))
+                loss, grads = nnx.value_and_grad(fn)(model)
+                loss = scale.unscale(loss)
+            optimizer.update(model, grads)
+            return loss
+
+        losses = [step(model, optimizer) for _ in range(5)]
+        runs.append((losses, nnx.state(model, nnx.Param), optimizer.opt_state))
+    assert_trees_bit_identical(runs[0], runs[1])
+    assert float(runs[1][0][-1]) < float(runs[1][0][0])
+    # has_aux: (loss, aux) comes back as the function returned it, the loss unscaled (the
+    # MLP has dropout, so the loss is compared with the one the call itself computed).
+    fn = lambda m: (lambda loss: (loss, loss * 1.0))(ce_loss(m(x), labels))
+    (loss, aux), _ = mpjax.flax.value_and_grad(fn, optimizer, has_aux=True)(model)
+    assert float(loss) == float(aux) and 0 < float(loss) < 10
+
+
+def test_nnx_value_and_grad_needs_a_loss_scale_in_the_optimizer():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="loss"):
+        mpjax.flax.value_and_grad(lambda m: m(jnp.ones((1, 2))).sum(), optimizer)(model)

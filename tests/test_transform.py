@@ -607,3 +607,37 @@ def test_check_updates_is_off_for_float32_params_and_refused_in_the_chain_form()
     assert bool((upd["w"] == 0).all())
     with pytest.raises(ValueError, match="wraps none"):
         mpjax.loss_scale(check_updates=True)
+
+
+def test_value_and_grad_is_the_hand_scaled_step_bit_for_bit():
+    # float16 activations whose gradients need the scale; the helper and the hand-written
+    # step (scale.scale(loss), jax.grad) give the same losses, params and optimizer state.
+    params = {"w": jnp.full((4, 4), 0.1, jnp.float32)}
+    x = jnp.linspace(-1, 1, 16, dtype=jnp.float32).reshape(4, 4)
+    loss_fn = lambda p, x: jnp.mean(
+        (x.astype(jnp.float16) @ p["w"].astype(jnp.float16)) ** 2
+    ).astype(jnp.float32)
+    tx = mpjax.loss_scale(optax.adam(1e-2))
+    runs = []
+    for helper in (False, True):
+        p, s = params, tx.init(params)
+
+        @jax.jit
+        def step(p, s):
+            if helper:
+                loss, g = mpjax.value_and_grad(loss_fn)(s, p, x)
+            else:
+                scale = mpjax.get_loss_scale(s)
+                loss, g = jax.value_and_grad(lambda p: scale.scale(loss_fn(p, x)))(p)
+                loss = scale.unscale(loss)
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, loss
+
+        losses = []
+        for _ in range(4):
+            p, s, loss = step(p, s)
+            losses.append(loss)
+        runs.append((p, s, losses))
+    assert_trees_bit_identical(runs[0], runs[1])
+    with pytest.raises(ValueError, match="loss"):
+        mpjax.value_and_grad(loss_fn)(optax.adam(0.1).init(params), params, x)

@@ -531,6 +531,54 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
     return _the_state(opt_state, "get_loss_scale").loss_scale
 
 
+def value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
+    """Returns ``g(opt_state, params, *args) -> (value, grads)``: the loss scaled, differentiated.
+
+    The scale is the current one in `opt_state` (found as :func:`get_loss_scale` finds it);
+    `value` is ``fun(params, *args)`` as computed (the loss unscaled), and `grads` are the
+    gradients of the *scaled* loss, which is what ``tx.update`` of a :func:`loss_scale`
+    transformation takes: it unscales them, checks them, skips and adjusts the scale. Nothing
+    to scale or unscale by hand, so none of the three ways to get it wrong (forgetting to
+    scale, unscaling before ``tx.update``, scaling twice) is left.
+
+    Args:
+      fun: the loss, ``fun(params, *args, **kwargs)`` returning a float scalar (or
+        ``(loss, aux)`` with `has_aux`).
+      has_aux: whether `fun` returns ``(loss, aux)``.
+
+    Returns:
+      A function of ``(opt_state, params, *args, **kwargs)``. The flax equivalents:
+      ``mpjax.flax.TrainState.grad`` (linen) and ``mpjax.flax.value_and_grad`` (NNX).
+
+    Raises:
+      ValueError: if `opt_state` holds no loss-scale state (or more than one).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, mpjax
+      >>> tx = mpjax.loss_scale(optax.adam(0.1))          # the wrap form: exact skips
+      >>> params = {"w": jnp.ones(3)}
+      >>> opt_state = tx.init(params)
+      >>> loss_fn = lambda p, x: jnp.sum((p["w"] * x) ** 2)
+      >>> loss, grads = mpjax.value_and_grad(loss_fn)(opt_state, params, jnp.ones(3))
+      >>> updates, opt_state = tx.update(grads, opt_state, params)
+      >>> new = optax.apply_updates(params, updates)
+      >>> float(loss), grads["w"][0].item(), round(new["w"][0].item(), 4)  # grads of 2**15 * loss
+      (3.0, 65536.0, 0.9)
+    """
+
+    def wrapped(opt_state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        scale = get_loss_scale(opt_state)
+
+        def scaled(p: Any) -> Any:
+            out = fun(p, *args, **kwargs)
+            return scale.scale(out[0] if has_aux else out), out
+
+        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        return out, grads
+
+    return wrapped
+
+
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     """Returns scalars for logging: scale, skipped steps, consecutive skips, last step finite.
 
