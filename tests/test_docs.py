@@ -56,7 +56,8 @@ def test_every_public_name_is_in_the_api_reference():
         section = api if name == "mpjax" else api[api.index(f"\n{name}\n") :]
         section = section.split("\nmpjax.")[0] if name == "mpjax" else section
         for public in module.__all__:
-            if not re.search(rf"^   {re.escape(public)}$", section, flags=re.M):
+            listed = rf"^(   |\.\. data:: ){re.escape(public)}$"
+            if not re.search(listed, section, flags=re.M):
                 missing.append(f"{name}.{public}")
     assert not missing, f"not in docs/api.rst: {missing}"
 
@@ -114,3 +115,46 @@ def test_audit_table_in_the_guide_is_the_quickstarts_real_audit():
     guide = (DOCS / "guides" / "audit.md").read_text()
     shown = re.search(r"```text\n>>> print\(mpjax.audit.*?\n(.*?)```", guide, flags=re.S).group(1)
     assert shown.strip() == str(report).strip()
+
+
+def autosummary_names():
+    """(module, name) of every entry of api.rst's autosummary lists."""
+    api = (DOCS / "api.rst").read_text()
+    module, inside = "mpjax", False
+    for line in api.splitlines():
+        if line.startswith(".. currentmodule:: "):
+            module = line.split(":: ", 1)[1].strip()
+        inside = line.startswith(".. autosummary::") or (inside and (not line or line[0] == " "))
+        if inside and re.fullmatch(r"   [A-Za-z_][\w.]*", line):
+            yield module, line.strip()
+
+
+def test_no_api_page_shows_a_builtin_docstring():
+    # autosummary renders an object's __doc__: for a tuple, frozenset or type union that is
+    # Python's own text ("Built-in immutable sequence.", "frozenset() -> empty frozenset
+    # object"), and a union's page names private module paths. Such names are documented
+    # with `.. data::` and their own text instead.
+    import inspect
+
+    shown, names = [], list(autosummary_names())
+    assert len(names) > 60, names  # the parse found the lists
+    for module, name in names:
+        obj = getattr(importlib.import_module(module), name)
+        doc = inspect.getdoc(obj) or ""
+        builtin = type(obj).__module__ in ("builtins", "types") and not callable(obj)
+        if builtin or not doc or doc == inspect.getdoc(type(obj)) or "._src." in doc:
+            shown.append(f"{module}.{name}")
+    assert not shown, f"API pages that would show a builtin docstring: {shown}"
+
+
+def test_api_reference_examples_run():
+    import doctest
+
+    api = (DOCS / "api.rst").read_text()
+    test = doctest.DocTestParser().get_doctest(api, {}, "api.rst", str(DOCS / "api.rst"), 0)
+    assert len(test.examples) >= 10  # LEVELS, F32_OPS, LOWER_OPS and LossScale have examples
+    for block in re.split(r"\n\.\. data:: ", api)[1:]:
+        assert ">>>" in block.split("\n\n.. ", 1)[0], block.split("\n", 1)[0]
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0

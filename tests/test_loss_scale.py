@@ -113,6 +113,18 @@ def test_scale_and_unscale_match_jmp_on_float32(rng, cls):
     assert float(ours.loss_scale) == float(theirs.loss_scale)
 
 
+@pytest.mark.parametrize("cls", ["StaticLossScale", "DynamicLossScale"])
+def test_python_float_losses_are_scaled_as_jmp_scales_them(cls):
+    # `scale.scale(loss)` with a Python float (a loss built with math, or a constant) came
+    # back unscaled: the gradients were then 1/scale of what the update step assumed.
+    ours, theirs = getattr(mpjax, cls)(4.0), getattr(jmp, cls)(jnp.float32(4.0))
+    for f, x in (("scale", 1.5), ("unscale", 6.0)):
+        a, b = getattr(ours, f)({"l": x, "n": 3}), getattr(theirs, f)({"l": x, "n": 3})
+        assert a["l"].dtype == b["l"].dtype == jnp.float32
+        assert float(a["l"]) == float(b["l"]) and a["n"] == 3
+    assert float(ours.scale(1.5)) == 6.0 and float(ours.unscale(6.0)) == 1.5
+
+
 def test_scale_promotes_half_losses_and_unscale_keeps_grad_dtypes(rng):
     ls = mpjax.DynamicLossScale(2.0**15)
     loss = jnp.asarray(rng.uniform(2.0, 3.0), jnp.float16)  # loss * 2**15 overflows float16

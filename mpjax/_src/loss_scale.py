@@ -110,10 +110,20 @@ def _wide(x: Any) -> Any:
     return x.astype(jnp.float32) if jnp.finfo(x.dtype).bits < 32 else x
 
 
+def _python_float_as_array(x: Any) -> Any:
+    # A Python float loss (`scale.scale(1.5)`) is scaled as jmp scales it, as a float32
+    # array; left alone it came back unscaled, silently.
+    return jnp.asarray(x, jnp.float32) if isinstance(x, float) else x
+
+
 def _scale_tree(tree: T, factor: Any) -> T:
     # As jmp: a half leaf times the float32 scale gives float32, so a scaled half loss
     # cannot overflow before the backward pass starts.
-    return jax.tree_util.tree_map(lambda x: _wide(x) * factor if _is_float_leaf(x) else x, tree)
+    def scale(x: Any) -> Any:
+        x = _python_float_as_array(x)
+        return _wide(x) * factor if _is_float_leaf(x) else x
+
+    return jax.tree_util.tree_map(scale, tree)
 
 
 def _unscale_tree(tree: T, loss_scale: Any, *, divide: bool = False) -> T:
@@ -121,6 +131,7 @@ def _unscale_tree(tree: T, loss_scale: Any, *, divide: bool = False) -> T:
     inv = None if divide else 1.0 / scale
 
     def unscale(x):
+        x = _python_float_as_array(x)
         if not _is_float_leaf(x):
             return x
         # Unlike jmp (which returns float32 for half leaves), keep each leaf's dtype so that
