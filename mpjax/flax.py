@@ -681,7 +681,8 @@ def value_and_grad(fun: Callable, optimizer: Any, *, has_aux: bool = False) -> C
       ...     return loss
       >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
       >>> losses = [float(train_step(model, optimizer, x, y)) for _ in range(5)]
-      >>> losses[-1] < losses[0], int(mpjax.loss_scale_metrics(optimizer.opt_state)["skipped_steps"])
+      >>> metrics = mpjax.loss_scale_metrics(optimizer.opt_state)
+      >>> losses[-1] < losses[0], int(metrics["skipped_steps"])
       (True, 0)
     """
 
