@@ -127,7 +127,58 @@ def restore(directory: str | os.PathLike, target: Any, policy: Policy) -> Any:
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, target)
     checkpointer = ocp.StandardCheckpointer()
     path = os.path.join(os.path.abspath(os.fspath(directory)), _STATE_DIR)
-    return checkpointer.restore(path, abstract)
+    try:
+        return checkpointer.restore(path, abstract)
+    except ValueError as e:  # orbax's own words suggest options restore does not take
+        mismatch = _structure_mismatch(checkpointer, path, target)
+        if mismatch is None:
+            raise
+        raise ValueError(
+            f"The checkpoint at {os.fspath(directory)} does not have the target's structure: "
+            f"{mismatch} Build the target as the saved state was built (the same params and "
+            "the same optimizer, e.g. tx.init(params) for the same tx), then restore."
+        ) from e
+
+
+# The fields only mpjax.loss_scale's state has (LossScaleState).
+_LOSS_SCALE_FIELDS = ("skipped_steps", "consecutive_skips", "last_finite")
+
+
+def _leaf_paths(tree: Any) -> set[str]:
+    def name(key: Any) -> str:
+        for attr in ("key", "name", "idx"):
+            if hasattr(key, attr):
+                return str(getattr(key, attr))
+        return str(key)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {"/".join(name(k) for k in path) for path, _ in flat}
+
+
+def _structure_mismatch(checkpointer: Any, path: str, target: Any) -> str | None:
+    """What differs between the saved tree and `target`, in words; None if unknown."""
+    try:
+        metadata = checkpointer.metadata(path)
+        saved_tree = getattr(getattr(metadata, "item_metadata", metadata), "tree", None)
+        saved = _leaf_paths(saved_tree if saved_tree is not None else metadata)
+    except Exception:  # noqa: BLE001 - no readable metadata: keep orbax's error
+        return None
+    wanted = _leaf_paths(target)
+    if saved == wanted:
+        return None
+    has = lambda paths: any(p.rsplit("/", 1)[-1] in _LOSS_SCALE_FIELDS for p in paths)
+    if has(saved) and not has(wanted):
+        return (
+            "it holds a loss-scale state (an optimizer wrapped in mpjax.loss_scale) and the "
+            "target does not: wrap the target's optimizer the same way."
+        )
+    if has(wanted) and not has(saved):
+        return (
+            "the target holds a loss-scale state (mpjax.loss_scale) and the checkpoint does "
+            "not: it was saved from an optimizer without loss scaling."
+        )
+    only_saved, only_wanted = sorted(saved - wanted)[:3], sorted(wanted - saved)[:3]
+    return f"only in the checkpoint: {only_saved}; only in the target: {only_wanted}."
 
 
 __all__ = ["restore", "save", "saved_policy"]

@@ -337,10 +337,14 @@ class NNXWrapped(nnx.Module):
         graphdef, paths, variables = _flatten(self.inner)
         out, after, new_variables = self._traced(graphdef, variables, args, kwargs)
         removed = set(paths) - set(after.paths)
-        nnx.update(self.inner, nnx.State.from_flat_path(list(zip(after.paths, new_variables))))
+        nnx.update(self.inner, _from_flat_state(list(zip(after.paths, new_variables))))
         for path in sorted(removed, key=len, reverse=True):
             _remove(self.inner, path)
         return self.policy.cast_to_output(out)
+
+
+# nnx.from_flat_state where Flax has it (State.from_flat_path warns that it is deprecated).
+_from_flat_state = getattr(nnx, "from_flat_state", None) or nnx.State.from_flat_path
 
 
 class _Paths:

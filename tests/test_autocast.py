@@ -243,6 +243,26 @@ def test_full_precision_region_keeps_matmuls_in_float32():
     assert dots == [(HALF["float16"],) * 2, (F32, F32)]
 
 
+def test_regions_work_without_parentheses_as_torch_users_write_them():
+    # `with mpjax.full_precision:` (torch's `with torch.autocast(...)` habit) failed with
+    # "'function' object does not support the context manager protocol"; it is the same
+    # region as `with mpjax.full_precision():`, nested and in threads too.
+    def f(w, x):
+        h = x @ w
+        with mpjax.full_precision:
+            g = h @ w.T
+            with mpjax.half_precision:
+                k = g @ w
+            m = k @ w.T
+        return jnp.tanh(m @ w)
+
+    w, x = jnp.ones((3, 3)), jnp.ones((2, 3))
+    run = mpjax.autocast(f, mpjax.Policy.from_level("O2", "float16"))
+    h16 = (HALF["float16"],) * 2
+    assert in_dtypes(run, w, x, name="dot_general") == [h16, (F32, F32), h16, (F32, F32), h16]
+    assert repr(mpjax.full_precision) == "mpjax.full_precision"
+
+
 def test_half_precision_decorator_forces_half_even_for_f32_ops():
     @mpjax.half_precision()
     def softplus_in_half(z):

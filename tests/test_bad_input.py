@@ -35,6 +35,10 @@ ERRORS = [
     (lambda: mpjax.get_policy(None), TypeError, "takes a string"),
     (lambda: mpjax.get_policy("p=f32,c=fp8"), ValueError, "Unknown dtype 'fp8'"),
     (lambda: mpjax.get_policy("p:f32"), ValueError, "Unknown dtype 'p:f32'"),
+    (lambda: mpjax.get_policy("p=f32,c=float8_e4m3fn,o=f32"), ValueError, "use mpjax.fp8.policy('O1')"),
+    (lambda: mpjax.Policy.from_level("O2", "float8_e4m3fn"), ValueError, "FP8 is not a policy dtype"),
+    (lambda: mpjax.Policy(jnp.float32, jnp.float8_e5m2, jnp.float32), ValueError, "compute_dtype is float8_e5m2. FP8 is not a policy dtype"),
+    (lambda: mpjax.loss_scale(check_updates=True), ValueError, "the chain form wraps none"),
     (lambda: mpjax.parse_dtype("quarter"), ValueError, "Unknown dtype 'quarter'"),
     (lambda: mpjax.DynamicLossScale(jnp.ones(3)), TypeError, "scalar float, got shape (3,)"),
     (lambda: mpjax.StaticLossScale(np.ones((2, 2))), TypeError, "scalar float, got shape (2, 2)"),
@@ -121,6 +125,20 @@ def test_clear_warnings_for_what_jmp_accepts(call, words):
         call()
     # Attributed to the caller's line, not to mpjax's internals.
     assert all(w.filename == __file__ for w in record), [w.filename for w in record]
+
+
+MISUSE_WARNINGS = [
+    # (call, words): a call that works but does nothing useful says so, from the caller's line.
+    (lambda: mpjax.compare(lambda x: jnp.sin(x).sum(), None, jnp.ones(3)), "fn runs no mixed precision"),
+    (lambda: mpjax.fp8.init(lambda w, x: jnp.tanh(x * w).sum(), mpjax.fp8.policy(), jnp.ones(3), jnp.ones(3)), "no dot_general that can run in FP8"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("call, words", MISUSE_WARNINGS, ids=[w[1][:30] for w in MISUSE_WARNINGS])
+def test_warnings_for_calls_that_do_nothing(call, words):
+    with pytest.warns(UserWarning, match=words) as record:
+        call()
+    assert any(w.filename == __file__ for w in record), [w.filename for w in record]
 
 
 def test_what_jmp_accepts_works():

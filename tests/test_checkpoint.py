@@ -82,3 +82,26 @@ def test_checkpoint_errors(tmp_path):
         mpjax.checkpoint.save(tmp_path / "a", {"w": jnp.ones(2)}, policy)
     with pytest.raises(TypeError, match="needs the mpjax.Policy"):
         mpjax.checkpoint.save(tmp_path / "b", {"w": jnp.ones(2)}, "O1")
+
+
+@pytest.mark.parametrize("saved_scaled", [True, False])
+def test_restoring_without_the_loss_scale_state_says_so(tmp_path, saved_scaled):
+    # orbax's own message suggested `partial_restore=True`, an option restore does not take.
+    policy = mpjax.Policy.from_level("O2", "float16")
+    params = {"w": jnp.ones(3)}
+    scaled, plain = mpjax.loss_scale(optax.adam(1e-3)), optax.adam(1e-3)
+    saved, target = (scaled, plain) if saved_scaled else (plain, scaled)
+    mpjax.checkpoint.save(tmp_path / "c", {"params": params, "opt": saved.init(params)}, policy)
+    words = "holds a loss-scale state" if saved_scaled else "the checkpoint does not"
+    with pytest.raises(ValueError, match=words) as info:
+        mpjax.checkpoint.restore(
+            tmp_path / "c", {"params": params, "opt": target.init(params)}, policy
+        )
+    assert "partial_restore" not in str(info.value)
+    # Another structure: the paths that differ are named.
+    with pytest.raises(ValueError, match=r"only in the target: \['params/b'\]"):
+        mpjax.checkpoint.restore(
+            tmp_path / "c",
+            {"params": {**params, "b": jnp.ones(1)}, "opt": saved.init(params)},
+            policy,
+        )

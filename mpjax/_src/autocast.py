@@ -16,6 +16,7 @@ import functools
 import gc
 import itertools
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -92,10 +93,40 @@ def _scope(marker: str) -> Iterator[None]:
         yield
 
 
-def full_precision() -> contextlib.AbstractContextManager[None]:
+class _Region:
+    """A region marker usable as ``with marker():``, ``@marker()`` and ``with marker:``.
+
+    The first two are the documented forms (as ``jax.named_scope``); the bare ``with
+    marker:`` is what people write from torch's ``with torch.autocast(...)``, and it works
+    the same rather than failing with "object does not support the context manager
+    protocol"."""
+
+    def __init__(self, marker: str, doc: str) -> None:
+        self._marker = marker
+        self._entered = threading.local()
+        self.__doc__ = doc
+
+    def __call__(self) -> contextlib.AbstractContextManager[None]:
+        return _scope(self._marker)
+
+    def __enter__(self) -> None:
+        scope = _scope(self._marker)
+        scope.__enter__()
+        self._entered.__dict__.setdefault("stack", []).append(scope)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._entered.stack.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"mpjax.{'full' if self._marker == F32_REGION else 'half'}_precision"
+
+
+full_precision = _Region(
+    F32_REGION,
     """Keeps a region in float32 under :func:`autocast` (torch's nested ``autocast(False)``).
 
-    Use as a context manager or a decorator. Outside autocast it changes nothing.
+    Use as a context manager (``with mpjax.full_precision():``, or without the parentheses)
+    or a decorator (``@mpjax.full_precision()``). Outside autocast it changes nothing.
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax
@@ -105,12 +136,15 @@ def full_precision() -> contextlib.AbstractContextManager[None]:
       >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
       >>> mpjax.autocast(f, policy)(jnp.ones((2, 2))).dtype
       dtype('float32')
-    """
-    return _scope(F32_REGION)
+    """,
+)
 
-
-def half_precision() -> contextlib.AbstractContextManager[None]:
+half_precision = _Region(
+    HALF_REGION,
     """Forces a region into the policy's half dtype under :func:`autocast` (f32 list included).
+
+    Use as a context manager (``with mpjax.half_precision():``, or without the parentheses)
+    or a decorator (``@mpjax.half_precision()``).
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -120,8 +154,8 @@ def half_precision() -> contextlib.AbstractContextManager[None]:
       >>> policy = mpjax.Policy.from_level("O2", "bfloat16").with_output_dtype("bfloat16")
       >>> mpjax.autocast(g, policy)(jnp.ones(2)).dtype
       dtype(bfloat16)
-    """
-    return _scope(HALF_REGION)
+    """,
+)
 
 
 def _value(x: Any, v: Any) -> Any:

@@ -996,6 +996,9 @@ def _modules(rows: Sequence[CompareRow]) -> tuple[ModuleError, ...]:
     return tuple(sorted(out, key=lambda m: -m.local_error))
 
 
+_HALF_NAME = re.compile(r"float16|bfloat16|float8")
+
+
 def compare(
     fn: Callable[..., Any], policy: Policy | None, *args: Any, metric: Any = "rms"
 ) -> CompareReport:
@@ -1070,7 +1073,17 @@ def compare(
       0.0
     """
     _check_fn(fn, policy, "compare")
-    return _compare(fn, policy, args, _check_metric(metric)).report
+    report = _compare(fn, policy, args, _check_metric(metric)).report
+    if policy is None and not any(_HALF_NAME.search(row.dtype) for row in report.rows):
+        warnings.warn(
+            "mpjax.compare(fn, None): fn runs no mixed precision (every op ran in float32), so "
+            "there is nothing to compare. None is for a function that calls a model wrapped "
+            "by mpjax.flax.wrap or mpjax.autocast; otherwise pass the policy to run it under, "
+            "e.g. mpjax.compare(fn, mpjax.Policy.from_level('O2'), ...).",
+            UserWarning,
+            stacklevel=2,
+        )
+    return report
 
 
 # -- the search --------------------------------------------------------------------------------

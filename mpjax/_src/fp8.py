@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -503,6 +504,15 @@ def init(fn: Callable[..., Any], pol: FP8Policy, *example_args: Any) -> FP8State
 
     jax.eval_shape(counted, *example_args)
     n, length = count[0], pol.recipe.amax_history_len
+    if n == 0:
+        warnings.warn(
+            "mpjax.fp8.init: the function has no dot_general that can run in FP8, so nothing "
+            "will: a dot qualifies when its contracting size and each operand's free size are "
+            "multiples of 16 and it is not inside a while_loop or a custom-derivative rule. "
+            "The function runs as its base policy, " + str(pol.base) + ".",
+            UserWarning,
+            stacklevel=2,
+        )
     return FP8State(
         jnp.ones((n, _ROLES), jnp.float32),
         jnp.zeros((n, _ROLES, length), jnp.float32),

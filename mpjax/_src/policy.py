@@ -104,8 +104,19 @@ def parse_dtype(value: str) -> np.dtype:
     except KeyError:
         raise ValueError(
             f"Unknown dtype '{value}' must be full,half,float16,bfloat16 or a contraction "
-            "thereof (e.g. 'f32' for 'float32', 'bf16' for 'bfloat16')."
+            "thereof (e.g. 'f32' for 'float32', 'bf16' for 'bfloat16')." + _float8_hint(value)
         ) from None
+
+
+_FP8_HINT = (
+    " FP8 is not a policy dtype: it needs per-tensor scales and runs only the matmuls; use "
+    "mpjax.fp8.policy('O1') (dot_general in FP8, the rest bfloat16 O1) with mpjax.fp8.init "
+    "and mpjax.fp8.value_and_grad."
+)
+
+
+def _float8_hint(dtype: Any) -> str:
+    return _FP8_HINT if "float8" in str(dtype) or str(dtype).startswith("f8") else ""
 
 
 def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
@@ -140,6 +151,8 @@ def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
             f"{arg_name} must be a floating-point dtype, got {result}; mixed precision only "
             "changes float32, float16 and bfloat16 (integers and bools are never cast)."
         )
+    if _float8_hint(result):
+        raise ValueError(f"{arg_name} is {result}." + _FP8_HINT)
     return result
 
 
@@ -534,7 +547,7 @@ class Policy:
         if half not in _HALF_DTYPES:
             raise ValueError(
                 f"half_dtype must be float16 or bfloat16, got {half}; for full precision use "
-                "level 'O0'."
+                "level 'O0'." + _float8_hint(half)
             )
         lower_extra = ops.check_op_names(lower_ops, "lower_ops")
         f32_extra = ops.check_op_names(f32_ops, "f32_ops")
