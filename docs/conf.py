@@ -34,3 +34,5 @@ napoleon_use_ivar = True  # "Attributes:" as fields, so NamedTuple fields are no
 html_theme = "sphinx_book_theme"
 html_title = "mpjax"
 html_theme_options = {"show_toc_level": 2}
+html_static_path = ["_static"]
+html_css_files = ["mpjax.css"]  # code and tables wrap at a 1280-pixel window
