@@ -28,6 +28,7 @@ from mpjax._src.policy import (
     half_dtype,
     parse_dtype,
 )
+from mpjax._src.quantized_state import QuantizedMoment, QuantizedMomentsState, quantize_moments
 from mpjax._src.transform import (
     HalfAdamWarning,
     InexactSkipWarning,
@@ -85,6 +86,9 @@ __all__ = (
     "full_precision",
     "half_precision",
     "half_updates",
+    "quantize_moments",
+    "QuantizedMoment",
+    "QuantizedMomentsState",
     "hardware_advice",
     "cast_to_full",
     "cast_to_half",

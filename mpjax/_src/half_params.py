@@ -205,7 +205,7 @@ class HalfUpdatesState(NamedTuple):
     compensation: optax.Updates | None
 
 
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
+def _check_inner(inner: Any, caller: str = "half_updates") -> optax.GradientTransformationExtraArgs:
     if isinstance(inner, optax.GradientTransformation):
         return optax.with_extra_args_support(inner)
     if isinstance(inner, optax.MultiSteps):
@@ -213,11 +213,11 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
     if callable(inner):
         name = getattr(inner, "__name__", repr(inner))
         raise TypeError(
-            f"half_updates(inner) takes an optax GradientTransformation, got the function "
-            f"{name}; call it first, e.g. mpjax.half_updates(optax.{name}(1e-3))."
+            f"{caller}(inner) takes an optax GradientTransformation, got the function "
+            f"{name}; call it first, e.g. mpjax.{caller}(optax.{name}(1e-3))."
         )
     raise TypeError(
-        f"half_updates(inner) takes an optax GradientTransformation (e.g. optax.adam(1e-3)), "
+        f"{caller}(inner) takes an optax GradientTransformation (e.g. optax.adam(1e-3)), "
         f"got {type(inner).__name__}."
     )
 

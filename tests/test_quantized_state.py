@@ -1,0 +1,125 @@
+"""quantize_moments: optimizer moments in 8 bits, unbiased, exact under skipped steps, resumable,
+and about 4 bytes per parameter with bfloat16 params."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_bit_identical
+
+import mpjax
+
+
+def _bytes(tree):
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_rounding_is_unbiased_and_spans_the_block(signed):
+    # Values from the block's largest down to 2**-20 of it: each is stored exactly in
+    # expectation (a second moment in its square root), none flushed to zero.
+    x = jnp.concatenate([jnp.ones(1), 2.0 ** -jnp.linspace(0.1, 20, 255)])
+    if signed:
+        x = x * jnp.where(jnp.arange(256) % 2 == 0, 1.0, -1.0)
+    keys = jax.random.split(jax.random.key(1), 4000)
+    quantize = lambda k: mpjax.QuantizedMoment.quantize(x, signed=signed, block_size=256, key=k)
+    out = jax.vmap(lambda k: quantize(k).dequantize())(keys)
+    stored = out if signed else jnp.sqrt(out)
+    want = x if signed else jnp.sqrt(x)
+    rel = jnp.abs(stored.mean(0) / want - 1)
+    assert float(rel.max()) < 0.03, float(rel.max())
+    assert bool((out != 0).any(axis=0).all())
+    # One draw is within a code's step of the value (2**(1/4) or, in the root, 2**(1/8)).
+    one = quantize(keys[0]).dequantize()
+    ratio = jnp.abs(one / x) if signed else jnp.sqrt(one / x)
+    step = 2**0.25 if signed else 2**0.125
+    assert float(ratio.max()) <= step * 1.0001 and float(ratio.min()) >= 1 / step / 1.0001
+
+
+def test_four_bytes_per_param_with_bfloat16_params_and_half_updates():
+    params = {"w": jnp.ones((512, 512), jnp.bfloat16), "b": jnp.zeros(512, jnp.bfloat16)}
+    tx = mpjax.half_updates(mpjax.quantize_moments(optax.adam(1e-3)))
+    state = tx.init(params)
+    n = sum(p.size for p in jax.tree_util.tree_leaves(params))
+    per_param = (_bytes(params) + _bytes(state)) / n
+    # 2 (bfloat16) + 1 + 1 (codes) + 8/256 (scales); the 512-element bias stays float32.
+    assert per_param <= 4.1, per_param
+    w = state.inner_state.inner_state[0]
+    assert w.mu["w"].codes.dtype == jnp.uint8 and w.nu["w"].codes.dtype == jnp.uint8
+    assert w.mu["b"].dtype == jnp.float32  # under min_size
+
+
+def _regression(seed):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(k1, (256, 64))
+    w_true = jax.random.normal(k2, (64, 64)) / 8
+    return x, x @ w_true
+
+
+@pytest.mark.parametrize(
+    "make", [optax.adam, optax.adamw, optax.lion, lambda lr: optax.sgd(lr, momentum=0.9)]
+)
+def test_trains_as_the_float32_state_does(make):
+    # A linear least-squares fit: the 8-bit moments reach the float32 moments' loss.
+    lr = {optax.lion: 1e-3, optax.adam: 1e-2, optax.adamw: 1e-2}.get(make, 3e-2)
+    losses = {}
+    for quantized in (False, True):
+        finals = []
+        for seed in range(3):
+            x, y = _regression(seed)
+            params = {"w": jnp.zeros((64, 64))}
+            tx = make(lr)
+            if quantized:
+                tx = mpjax.quantize_moments(tx, key=seed)
+            state = tx.init(params)
+
+            @jax.jit
+            def step(params, state):
+                g = jax.grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+                u, state = tx.update(g, state, params)
+                return optax.apply_updates(params, u), state
+
+            for _ in range(400):
+                params, state = step(params, state)
+            finals.append(float(jnp.mean((x @ params["w"] - y) ** 2)))
+        losses[quantized] = np.mean(finals)
+    start = float(np.mean([jnp.mean(_regression(s)[1] ** 2) for s in range(3)]))
+    assert losses[False] < 0.2 * start, (losses, start)
+    assert losses[True] <= 1.5 * losses[False] + 1e-3 * start, losses
+
+
+def test_a_skipped_step_leaves_every_byte_and_resume_is_bit_identical(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    import mpjax.checkpoint
+
+    params = {"w": jnp.ones((64, 64), jnp.bfloat16)}
+    tx = mpjax.loss_scale(mpjax.half_updates(mpjax.quantize_moments(optax.adam(1e-3))))
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    u, state = step({"w": jnp.full((64, 64), 2.0**14, jnp.bfloat16)}, state, params)
+    params = optax.apply_updates(params, u)
+    bad = {"w": jnp.full((64, 64), jnp.inf, jnp.bfloat16)}
+    u, skipped = step(bad, state, params)
+    assert_trees_bit_identical(skipped.inner_state, state.inner_state)
+    assert int(mpjax.loss_scale_metrics(skipped)["skipped_steps"]) == 1
+    # Save, restore into a fresh state, and take the same next step from both.
+    policy = mpjax.Policy.from_level("O2", "bfloat16", master_weights=False)
+    mpjax.checkpoint.save(tmp_path / "c", {"params": params, "opt": state}, policy)
+    restored = mpjax.checkpoint.restore(
+        tmp_path / "c", {"params": params, "opt": tx.init(params)}, policy
+    )
+    assert_trees_bit_identical(restored["opt"], state)
+    g = {"w": jnp.full((64, 64), 2.0**13, jnp.bfloat16)}
+    assert_trees_bit_identical(step(g, restored["opt"], params), step(g, state, params))
+
+
+def test_bad_input_names_the_fix():
+    with pytest.raises(ValueError, match="needs no wrapping"):
+        mpjax.quantize_moments(optax.sgd(0.1)).init({"w": jnp.ones((128, 128))})
+    with pytest.raises(ValueError, match="smaller min_size"):
+        mpjax.quantize_moments(optax.adam(0.1)).init({"w": jnp.ones(10)})
+    with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
+        mpjax.quantize_moments(optax.adam(0.1), block_size=0)
+    with pytest.raises(TypeError, match=r"call it first, e.g. mpjax.quantize_moments\(optax.adam"):
+        mpjax.quantize_moments(optax.adam)
