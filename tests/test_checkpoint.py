@@ -14,7 +14,8 @@ import mpjax.checkpoint
 
 def make(policy):
     scale = mpjax.DynamicLossScale(2.0**10, period=5, hysteresis=2, backoff_factor=0.5)
-    tx = mpjax.loss_scale(optax.adam(1e-2), scale=scale, track_nonfinite=True)
+    # eps=1e-4: O3 float16 keeps Adam's moments in float16, where the default 1e-8 is zero.
+    tx = mpjax.loss_scale(optax.adam(1e-2, eps=1e-4), scale=scale, track_nonfinite=True)
     model = mpjax.autocast(mlp, policy)
     x, y = regression_data(jax.random.key(0))
 

@@ -225,7 +225,7 @@ def test_optax_chain_never_sees_the_fp8_state(rng):
     pol = mpjax.fp8.policy("O2")
     loss, params, x, y = _linen(pol, rng)
     fp8_state = mpjax.fp8.init(loss, pol, params, x, y)
-    tx = optax.chain(mpjax.loss_scale(), optax.adamw(1e-3, weight_decay=0.1))
+    tx = mpjax.loss_scale(optax.adamw(1e-3, weight_decay=0.1))
     opt_state = tx.init(params)
     # The optimizer state holds the params' moments and the loss scale, nothing of FP8.
     fp8_shapes = {leaf.shape for leaf in jax.tree_util.tree_leaves(fp8_state)}

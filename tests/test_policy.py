@@ -280,7 +280,8 @@ def test_overrides_that_make_sense():
     assert isinstance(o2.loss_scale(), mpjax.NoOpLossScale)  # no float32 copy to protect
     o3 = mpjax.Policy.from_level("O3", "float16", master_weights=True, keep_norm_fp32=True)
     assert (o3.param_dtype, o3.compute_dtype, o3.keep_norm_fp32) == (F32, F16, True)
-    bf = mpjax.Policy.from_level("O1", "bfloat16", loss_scale="dynamic")
+    with pytest.warns(UserWarning, match="bfloat16 has float32's exponent range"):
+        bf = mpjax.Policy.from_level("O1", "bfloat16", loss_scale="dynamic")
     assert isinstance(bf.loss_scale(), mpjax.DynamicLossScale)
     static = mpjax.Policy.from_level("O2", "float16", loss_scale=1024.0).loss_scale()
     assert isinstance(static, mpjax.StaticLossScale) and static.loss_scale == 1024.0

@@ -24,7 +24,6 @@ _STEPS = {True: 4, False: 8}
 _ZERO = {True: 127, False: 255}
 
 
-@jax.tree_util.register_pytree_node_class
 class QuantizedMoment:
     """One moment array stored in 8 bits: uint8 codes in blocks, a float32 scale per block.
 
@@ -51,13 +50,6 @@ class QuantizedMoment:
     def __init__(self, codes: Any, scales: Any, shape: tuple[int, ...], dtype: Any, signed: bool):
         self.codes, self.scales = codes, scales
         self.shape, self.dtype, self.signed = tuple(shape), np.dtype(dtype), bool(signed)
-
-    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[Any, ...]]:
-        return (self.codes, self.scales), (self.shape, self.dtype, self.signed)
-
-    @classmethod
-    def tree_unflatten(cls, aux: tuple[Any, ...], children: Any) -> QuantizedMoment:
-        return cls(*children, *aux)
 
     def __repr__(self) -> str:
         kind = "signed" if self.signed else "sqrt"
@@ -122,6 +114,13 @@ class QuantizedMoment:
             mag = mag * mag
         size = int(np.prod(self.shape))
         return mag.reshape(-1)[:size].reshape(self.shape).astype(self.dtype)
+
+
+jax.tree_util.register_pytree_node(
+    QuantizedMoment,
+    lambda q: ((q.codes, q.scales), (q.shape, q.dtype, q.signed)),
+    lambda aux, children: QuantizedMoment(*children, *aux),
+)
 
 
 class QuantizedMomentsState(NamedTuple):
