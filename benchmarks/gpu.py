@@ -197,41 +197,17 @@ def run_sections(args) -> dict:
     import models
     import simplenet
 
+    def model_section(kind: str) -> dict:
+        return models.main(["--model", kind, "--size", args.model_size, "--rounds",
+                            str(args.rounds), "--variants", args.variants])  # fmt: skip
+
     sections = [
         ("ceilings", ceilings),
         ("simplenet", lambda: simplenet.main(["--size", args.size, "--rounds", str(args.rounds)])),
         ("simplenet_audit", lambda: simplenet_audit(args.size)),
-        (
-            "transformer",
-            lambda: models.main(
-                [
-                    "--model",
-                    "transformer",
-                    "--size",
-                    args.model_size,
-                    "--rounds",
-                    str(args.rounds),
-                    "--variants",
-                    args.variants,
-                ]
-            ),
-        ),  # fmt: skip
+        ("transformer", lambda: model_section("transformer")),
         ("fp8_gemms", lambda: fp8_gemms(args.model_size)),
-        (
-            "resnet",
-            lambda: models.main(
-                [
-                    "--model",
-                    "resnet",
-                    "--size",
-                    args.model_size,
-                    "--rounds",
-                    str(args.rounds),
-                    "--variants",
-                    args.variants,
-                ]
-            ),
-        ),  # fmt: skip
+        ("resnet", lambda: model_section("resnet")),
     ]
     only = set(args.only.split(",")) if args.only else None
     for name, run in sections:

@@ -14,7 +14,9 @@ The five ways:
 (d) bfloat16 params, stochastic rounding (``mpjax.half_updates(adam, "stochastic",
     state_dtype="bfloat16")``), Adam's moments in bfloat16 too;
 (e) bfloat16 params, compensated (``mpjax.half_updates(adam, "kahan",
-    state_dtype="bfloat16")``): a 16-bit buffer keeps the float32 sum's low bits.
+    state_dtype="bfloat16")``): a 16-bit buffer keeps the float32 sum's low bits;
+(f) bfloat16 params, stochastic rounding, Adam's moments in 8 bits
+    (``mpjax.half_updates(mpjax.quantize_moments(adam))``).
 
 Runs (c)-(e) use ``Policy.from_level("O2", "bfloat16", master_weights=False)``, so they
 compute as (b) does; they differ only in how the params are stored and updated. (c)-(e) run
@@ -63,6 +65,7 @@ RUNS = {
     "bf16 nearest": "(c) bf16 params, round-to-nearest",
     "bf16 stochastic": "(d) bf16 params, stochastic rounding, bf16 moments",
     "bf16 kahan": "(e) bf16 params, compensated (16-bit buffer), bf16 moments",
+    "bf16 8-bit moments": "(f) bf16 params, stochastic rounding, 8-bit moments",
 }
 
 
@@ -76,6 +79,10 @@ def policy_and_tx(run: str, lr: float):
     policy = mpjax.Policy.from_level("O2", "bfloat16", master_weights=False)
     if run == "bf16 nearest":
         return policy, lambda seed: mpjax.half_updates(adam, "nearest")
+    if run == "bf16 8-bit moments":  # every moment of >= 256 elements (the small models)
+        return policy, lambda seed: mpjax.half_updates(
+            mpjax.quantize_moments(adam, min_size=256, key=seed), "stochastic", key=seed
+        )
     mode = "stochastic" if run == "bf16 stochastic" else "kahan"
     return policy, lambda seed: mpjax.half_updates(adam, mode, key=seed, state_dtype="bfloat16")
 
@@ -303,6 +310,7 @@ def plot(runs, path: str) -> None:
         "bf16 nearest": ("tab:red", "-", 1.6, 1.0),
         "bf16 stochastic": ("tab:green", "--", 1.6, 1.0),
         "bf16 kahan": ("tab:purple", ":", 2.0, 1.0),
+        "bf16 8-bit moments": ("tab:orange", "-.", 1.6, 1.0),
     }
     for ax, task in zip(axes[0], tasks):
         for r in (r for r in runs if r["task"] == task):

@@ -85,7 +85,7 @@ class QuantizedMoment:
         exact = -steps * jnp.log2(jnp.maximum(r, 1e-38))
         lo = jnp.clip(jnp.floor(exact), 0, zero - 1)
         high = jnp.exp2(-lo / steps)
-        low = jnp.where(lo + 1 >= zero, 0.0, jnp.exp2(-(lo + 1) / steps))
+        low = jnp.where(lo + 1 >= zero, 0.0, high * np.float32(2.0 ** (-1 / steps)))
         up = jnp.clip((r - low) / (high - low), 0.0, 1.0)  # P(high): E[stored] = r
         u = jax.random.uniform(key, r.shape, _F32)
         code = jnp.where(u < up, lo, lo + 1).astype(jnp.uint8)
