@@ -264,7 +264,11 @@ def test_o3_float16_layernorm_backward_overflow_is_located(rng):
             return jnp.sum(apply({"params": p}, x).astype(jnp.float32) ** 2)
 
         grad = jax.grad(loss, argnums=(0, 1))
-        found[level] = (mpjax.compare(grad, None, params, x), grad, params)
+        if level == "O2":  # a lone LayerNorm at O2 runs all in float32, and compare says so
+            with pytest.warns(UserWarning, match="runs no mixed precision"):
+                found[level] = (mpjax.compare(grad, None, params, x), grad, params)
+        else:
+            found[level] = (mpjax.compare(grad, None, params, x), grad, params)
     report, grad, params = found["O3"]
     first = report.first_nonfinite
     assert first is not None and first.nonfinite == "inf" and first.backward

@@ -236,7 +236,8 @@ def test_small_dots_and_while_bodies_stay_in_half(rng):
     w = jnp.asarray(rng.normal(size=(32, 32)) * 0.1, jnp.float32)
     x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
     m = jnp.asarray(rng.normal(size=(32, 32)) * 0.2, jnp.float32)
-    state = mpjax.fp8.init(loss, pol, w, x, m)
+    with pytest.warns(UserWarning, match="no dot_general that can run in FP8"):
+        state = mpjax.fp8.init(loss, pol, w, x, m)
     assert state.num_sites == 0
     value, grads, _ = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x, m)
     ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(loss, pol.base))(w, x, m)
