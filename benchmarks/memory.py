@@ -272,7 +272,9 @@ def make(module: Any, v: Variant, x: Any, y: Any) -> tuple[Any, Any, Any]:
     def loss_of_params(p: Any) -> Any:
         return loss_fn(p, stats, x)[0]
 
-    adam = optax.adam(1e-3)
+    # float16 params (O3) keep Adam's moments in float16, where the default eps=1e-8 is 0.
+    half16 = v.policy is not None and v.policy.param_dtype == jnp.float16
+    adam = optax.adam(1e-3, eps=1e-4 if half16 else 1e-8)
     if v.scaling == "flax":  # Flax's examples (ImageNet, WMT) with half_precision on a GPU
         from flax.training import dynamic_scale
 

@@ -252,7 +252,9 @@ def make_step(kind: str, module, variant, x, y):
     variables = model.init(jax.random.key(0), x)
     params = variables["params"]
     stats = variables.get("batch_stats", {})
-    tx = mpjax.loss_scale(optax.adam(1e-3), scale=policy.loss_scale())
+    # float16 params (O3) keep Adam's moments in float16, where the default eps=1e-8 is 0.
+    eps = 1e-4 if policy.param_dtype == jnp.float16 else 1e-8
+    tx = mpjax.loss_scale(optax.adam(1e-3, eps=eps), scale=policy.loss_scale())
 
     def step(params, stats, opt_state):
         scale = mpjax.get_loss_scale(opt_state)
