@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpjax._src.half_params import _check_inner, _key_and_impl
+from mpjax._src.half_params import _check_inner, _is_float, _key_and_impl
 
 _F32 = jnp.dtype(jnp.float32)
 # The optax state fields that hold moments: signed (momentum-like) and non-negative
@@ -143,6 +143,10 @@ class QuantizedMomentsState(NamedTuple):
     key: jax.Array
 
 
+def _is_q(x: Any) -> bool:
+    return isinstance(x, QuantizedMoment)
+
+
 def _field(path: tuple[Any, ...]) -> str | None:
     """The optax state field a leaf belongs to, if it is a known moment."""
     for k in reversed(path):
@@ -215,13 +219,7 @@ def quantize_moments(
 
     def moment(path: tuple[Any, ...], leaf: Any) -> str | None:
         field = _field(path)
-        if (
-            field is None
-            or not hasattr(leaf, "dtype")
-            or not jnp.issubdtype(leaf.dtype, jnp.floating)
-        ):
-            return None
-        return field if np.prod(np.shape(leaf)) >= min_size else None
+        return field if _is_float(leaf) and np.prod(np.shape(leaf)) >= min_size else None
 
     def quantize(tree: Any, key: jax.Array) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -237,14 +235,14 @@ def quantize_moments(
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def dequantize(tree: Any) -> Any:
-        is_q = lambda x: isinstance(x, QuantizedMoment)
-        return jax.tree_util.tree_map(lambda x: x.dequantize() if is_q(x) else x, tree,
-                                      is_leaf=is_q)  # fmt: skip
+        return jax.tree_util.tree_map(lambda x: x.dequantize() if _is_q(x) else x, tree,
+                                      is_leaf=_is_q)  # fmt: skip
 
     def init(params: optax.Params) -> QuantizedMomentsState:
-        state = inner_tx.init(params)
-        found = [p for p, leaf in jax.tree_util.tree_flatten_with_path(state)[0] if moment(p, leaf)]
-        if not found:
+        key = jax.random.wrap_key_data(jnp.asarray(key_data), impl=impl)
+        init_key, next_key = jax.random.split(key)
+        state = quantize(inner_tx.init(params), init_key)
+        if not any(_is_q(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_q)):
             raise ValueError(
                 "quantize_moments: the optimizer's state has no moment array of at least "
                 f"min_size={min_size} elements to keep in 8 bits (it quantizes Adam's mu and "
@@ -252,9 +250,7 @@ def quantize_moments(
                 "moments, such as optax.sgd(lr), needs no wrapping; for small models pass a "
                 "smaller min_size."
             )
-        key = jax.random.wrap_key_data(jnp.asarray(key_data), impl=impl)
-        init_key, next_key = jax.random.split(key)
-        return QuantizedMomentsState(quantize(state, init_key), jax.random.key_data(next_key))
+        return QuantizedMomentsState(state, jax.random.key_data(next_key))
 
     def update(
         updates: optax.Updates,

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 
 from mpjax._src import loss_scale as ls_lib
+from mpjax._src.half_params import _is_half
 
 
 class NonFiniteLeaves:
@@ -336,14 +337,10 @@ def loss_scale(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-_HALF = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
 def _checks_updates(check_updates: bool | None, params: Any) -> bool:
     if check_updates is not None:
         return bool(check_updates)
-    leaves = jax.tree_util.tree_leaves(params)
-    return any(ls_lib._is_float_leaf(x) and jnp.dtype(x.dtype) in _HALF for x in leaves)
+    return any(_is_half(x) for x in jax.tree_util.tree_leaves(params))
 
 
 def _warn_half_adam_eps(params: Any, inner: optax.GradientTransformation) -> None:
