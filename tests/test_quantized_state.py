@@ -9,32 +9,50 @@ import pytest
 from conftest import assert_trees_bit_identical
 
 import mpjax
+from mpjax._src.quantized_state import FORMATS
 
 
 def _bytes(tree):
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_rounding_is_unbiased_and_spans_the_block(signed):
-    # Values from the block's largest down to 2**-20 of it: each is stored exactly in
-    # expectation (a second moment in its square root), none flushed to zero.
-    x = jnp.concatenate([jnp.ones(1), 2.0 ** -jnp.linspace(0.1, 20, 255)])
-    if signed:
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3", "sqrt_e5m3", "sqrt_e4m4"])
+def test_rounding_is_unbiased_over_the_formats_range(fmt):
+    # Values from the block's largest down past the format's smallest normal code (into its
+    # linear subnormal grid): each is stored exactly in expectation (a second moment in its
+    # square root), and one draw is within a code's step of the value where codes are normal.
+    f = FORMATS[fmt]
+    depth = 2.0 ** -jnp.linspace(0.1, f.octaves + 2, 255)
+    x = jnp.concatenate([jnp.ones(1), depth])
+    if f.signed:
         x = x * jnp.where(jnp.arange(256) % 2 == 0, 1.0, -1.0)
     keys = jax.random.split(jax.random.key(1), 4000)
-    quantize = lambda k: mpjax.QuantizedMoment.quantize(x, signed=signed, block_size=256, key=k)
+    quantize = lambda k: mpjax.QuantizedMoment.quantize(x, fmt, block_size=256, key=k)
     out = jax.vmap(lambda k: quantize(k).dequantize())(keys)
-    stored = out if signed else jnp.sqrt(out)
-    want = x if signed else jnp.sqrt(x)
+    stored = out if f.signed else jnp.sqrt(out)
+    want = x if f.signed else jnp.sqrt(x)
     rel = jnp.abs(stored.mean(0) / want - 1)
     assert float(rel.max()) < 0.03, float(rel.max())
-    assert bool((out != 0).any(axis=0).all())
-    # One draw is within a code's step of the value (2**(1/4) or, in the root, 2**(1/8)).
+    assert bool((out != 0).any(axis=0).all())  # nothing flushed to zero for good
     one = quantize(keys[0]).dequantize()
-    ratio = jnp.abs(one / x) if signed else jnp.sqrt(one / x)
-    step = 2**0.25 if signed else 2**0.125
-    assert float(ratio.max()) <= step * 1.0001 and float(ratio.min()) >= 1 / step / 1.0001
+    ratio = jnp.abs(one / x) if f.signed else jnp.sqrt(one / x)
+    normal = jnp.concatenate([jnp.ones(1, bool), depth >= 2.0**-f.octaves])
+    step = 1 + 2.0**-f.mantissa
+    assert float(ratio[normal].max()) <= step * 1.0001, float(ratio[normal].max())
+    assert float(ratio[normal].min()) >= 1 / step / 1.0001, float(ratio[normal].min())
+    assert float(jnp.abs(one[0])) == 1.0  # the block's largest is exact
+
+
+def test_a_format_is_eight_bits_with_a_float_layout():
+    # e5m2 codes decode the way float8_e5m2 does (times the block scale): the same value set
+    # for normal codes.
+    q = mpjax.QuantizedMoment(
+        jnp.arange(128, dtype=jnp.uint8).reshape(1, 128), jnp.ones(1), (128,), jnp.float32, "e5m2"
+    )
+    values = np.asarray(q.dequantize())
+    assert values[0] == 0 and np.all(np.diff(values) > 0)  # monotone from zero up
+    assert values[124] == 1.0 and values[123] == 0.875  # 1 and the code below it
+    assert values[4] == 2.0**-30 and values[1] == 2.0**-32  # smallest normal, subnormal step
 
 
 def test_four_bytes_per_param_with_bfloat16_params_and_half_updates():
@@ -123,3 +141,17 @@ def test_bad_input_names_the_fix():
         mpjax.quantize_moments(optax.adam(0.1), block_size=0)
     with pytest.raises(TypeError, match=r"call it first, e.g. mpjax.quantize_moments\(optax.adam"):
         mpjax.quantize_moments(optax.adam)
+    # A second moment in a format that cannot hold its range, a first moment in a square
+    # root, an unknown format: each error names the formats to use.
+    with pytest.raises(ValueError, match=r"cannot hold a second moment's range.*sqrt_e5m3"):
+        mpjax.quantize_moments(optax.adam(0.1), second=jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"cannot hold a second moment's range"):
+        mpjax.quantize_moments(optax.adam(0.1), second="e5m2")
+    with pytest.raises(ValueError, match=r"changes sign; use first='e5m2'"):
+        mpjax.quantize_moments(optax.adam(0.1), first="sqrt_e5m3")
+    unknown = r"not an 8-bit moment format; pass one of \['e4m3', 'e5m2'\]"
+    with pytest.raises(ValueError, match=unknown):
+        mpjax.quantize_moments(optax.adam(0.1), first=jnp.int8)
+    # The float8 dtypes name the formats they are.
+    tx = mpjax.quantize_moments(optax.adam(0.1), first=jnp.float8_e4m3fn, min_size=16)
+    assert tx.init({"w": jnp.ones(64)}).inner_state[0].mu["w"].fmt == "e4m3"

@@ -1,4 +1,4 @@
-"""Optimizer moments in 8 bits: blockwise-scaled logarithmic codes, rounded without bias."""
+"""Optimizer moments in 8 bits: blockwise-scaled 8-bit floats, rounded without bias."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpjax._src.half_params import _check_inner, _is_float, _key_and_impl
+from mpjax._src.half_params import _check_inner, _is_float, _key_and_impl, _random_bits, _u32
 
 _F32 = jnp.dtype(jnp.float32)
 # The optax state fields that hold moments: signed (momentum-like) and non-negative
@@ -17,47 +17,106 @@ _F32 = jnp.dtype(jnp.float32)
 # v_col), Adagrad/RMSProp (sum_of_squares, nu).
 FIRST = frozenset({"mu", "trace", "momentum", "ema"})
 SECOND = frozenset({"nu", "v", "v_row", "v_col", "sum_of_squares"})
-# Codes per octave below a block's largest magnitude: signed codes have 7 bits of magnitude
-# (127 values, 126 steps of 2**(1/4): down to 2**-31.5 of the block's largest), non-negative
-# ones 8 bits (255 values, steps of 2**(1/8): 2**-31.75). The last code is zero.
-_STEPS = {True: 4, False: 8}
-_ZERO = {True: 127, False: 255}
+
+
+class _Format(NamedTuple):
+    """An 8-bit float relative to a block's largest magnitude: exponent and mantissa bits,
+    a sign bit (signed moments) or the square root stored (non-negative ones)."""
+
+    exponent: int
+    mantissa: int
+    signed: bool
+
+    @property
+    def bias(self) -> int:
+        # float32's exponent field minus the code's: the block's largest (1.0, field 127)
+        # takes the top exponent code.
+        return 128 - 2**self.exponent
+
+    @property
+    def octaves(self) -> int:
+        """How many powers of two below the block's largest the normal codes reach."""
+        return 2**self.exponent - 2
+
+
+# First moments: e5m2 (the default: 30 octaves, 4 codes per octave) or e4m3 (14 octaves, 8 per
+# octave: MS-AMP's and COAT's first-moment format). Second moments as square roots, so the
+# moment's own span is twice the code's: sqrt_e5m3 (60 octaves of the moment) or sqrt_e4m4 (28).
+FORMATS = {
+    "e5m2": _Format(5, 2, True),
+    "e4m3": _Format(4, 3, True),
+    "sqrt_e5m3": _Format(5, 3, False),
+    "sqrt_e4m4": _Format(4, 4, False),
+}
+_FLOAT8 = {"float8_e5m2": "e5m2", "float8_e4m3fn": "e4m3", "float8_e4m3": "e4m3"}
+
+
+def _quantize_unit(r: jax.Array, bits: jax.Array, f: _Format) -> jax.Array:
+    """Codes for `r` in [0, 1], rounded up with probability equal to the fraction of the step
+    (`bits`: 32 random bits per element). Normal codes round as float32 does to a float with
+    `f.mantissa` mantissa bits: add random bits below them and truncate (unbiased, and exact
+    across an octave's edge); below the smallest normal value the grid is linear."""
+    shift = 23 - f.mantissa
+    rb = jax.lax.bitcast_convert_type(r, jnp.uint32)
+    normal = ((rb + (bits >> (32 - shift))) >> shift) - _u32(f.bias << f.mantissa)
+    sub_step = np.float32(2.0 ** (f.bias - 126 - f.mantissa))  # the linear grid's step
+    q = r / sub_step
+    floor = jnp.floor(q)
+    u = (bits >> 8).astype(_F32) * np.float32(2.0**-24)
+    sub = (floor + (u < q - floor)).astype(jnp.uint32)
+    return jnp.where(rb >= _u32((f.bias + 1) << 23), normal, sub)
+
+
+def _dequantize_unit(code: jax.Array, f: _Format) -> jax.Array:
+    """The value in [0, 1] a code stands for (see `_quantize_unit`)."""
+    c = code.astype(jnp.uint32)
+    e = c >> f.mantissa
+    normal = jax.lax.bitcast_convert_type(
+        (c + _u32(f.bias << f.mantissa)) << (23 - f.mantissa), jnp.float32
+    )
+    sub = c.astype(_F32) * np.float32(2.0 ** (f.bias - 126 - f.mantissa))
+    return jnp.where(e > 0, normal, sub)
 
 
 class QuantizedMoment:
     """One moment array stored in 8 bits: uint8 codes in blocks, a float32 scale per block.
 
-    A non-negative moment (Adam's second moment) is stored as its square root, so its 8-bit
-    codes span 2**-63.5 of a block's largest value. A code ``c`` stands for
-    ``scale * 2**(-c / steps)`` (``steps`` = 8, or 4 with a sign bit for signed moments), and
-    the last code for zero. The last block is padded with zeros.
+    Each code is an 8-bit float relative to its block's largest magnitude (the scale): for a
+    signed (first) moment a sign bit and e5m2 or e4m3, for a non-negative (second) moment the
+    square root, unsigned, in e5m3 or e4m4, so the moment itself spans twice the octaves.
+    Below a format's smallest normal value the codes are a linear grid down to zero, as IEEE
+    subnormals are. The last block is padded with zeros.
 
     Attributes:
       codes: uint8 ``[blocks, block_size]``.
       scales: float32 ``[blocks]``: each block's largest magnitude.
       shape: the moment's shape.
       dtype: the moment's dtype when dequantized.
-      signed: whether the moment can be negative (first moments).
+      fmt: the code format: ``"e5m2"``, ``"e4m3"``, ``"sqrt_e5m3"`` or ``"sqrt_e4m4"``.
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax
       >>> m = jnp.array([0.5, -0.25, 0.0, 1e-3])
-      >>> q = mpjax.QuantizedMoment.quantize(m, signed=True, block_size=4, key=jax.random.key(0))
+      >>> q = mpjax.QuantizedMoment.quantize(m, "e5m2", block_size=4, key=jax.random.key(0))
       >>> q.codes.dtype, q.scales.tolist(), q.dequantize().tolist()[:3]
       (dtype('uint8'), [0.5], [0.5, -0.25, 0.0])
     """
 
-    def __init__(self, codes: Any, scales: Any, shape: tuple[int, ...], dtype: Any, signed: bool):
+    def __init__(self, codes: Any, scales: Any, shape: tuple[int, ...], dtype: Any, fmt: str):
         self.codes, self.scales = codes, scales
-        self.shape, self.dtype, self.signed = tuple(shape), np.dtype(dtype), bool(signed)
+        self.shape, self.dtype, self.fmt = tuple(shape), np.dtype(dtype), str(fmt)
+
+    @property
+    def signed(self) -> bool:
+        """Whether the moment can be negative (a first moment's format)."""
+        return FORMATS[self.fmt].signed
 
     def __repr__(self) -> str:
-        kind = "signed" if self.signed else "sqrt"
-        return f"QuantizedMoment({kind}, shape={self.shape}, blocks={np.shape(self.codes)})"
+        return f"QuantizedMoment({self.fmt}, shape={self.shape}, blocks={np.shape(self.codes)})"
 
     @classmethod
     def quantize(
-        cls, x: jax.Array, *, signed: bool, block_size: int, key: jax.Array
+        cls, x: jax.Array, fmt: str, *, block_size: int, key: jax.Array
     ) -> QuantizedMoment:
         """Quantizes `x` blockwise, rounding each value to one of its two neighbouring codes
         with the probabilities that make the stored value's expectation exact (the square
@@ -68,30 +127,24 @@ class QuantizedMoment:
           >>> v = jnp.full(256, 3e-7)
           >>> keys = jax.random.split(jax.random.key(0), 2000)
           >>> q = jax.vmap(lambda k: mpjax.QuantizedMoment.quantize(
-          ...     v.at[0].set(1.0), signed=False, block_size=256, key=k).dequantize())(keys)
+          ...     v.at[0].set(1.0), "sqrt_e5m3", block_size=256, key=k).dequantize())(keys)
           >>> bool(abs(jnp.sqrt(q[:, 1:]).mean() / jnp.sqrt(3e-7) - 1) < 1e-2)  # unbiased
           True
         """
-        steps, zero = _STEPS[signed], _ZERO[signed]
+        f = FORMATS[fmt]
         flat = jnp.ravel(x).astype(_F32)
-        if not signed:
+        if not f.signed:
             flat = jnp.sqrt(jnp.maximum(flat, 0.0))
         pad = (-flat.size) % block_size
         blocks = jnp.pad(flat, (0, pad)).reshape(-1, block_size)
         mag = jnp.abs(blocks)
         scales = jnp.max(mag, axis=1)
-        r = mag / jnp.where(scales > 0, scales, 1.0)[:, None]  # in [0, 1]
-        # The two codes around r: lo (the larger value) and lo + 1 (the smaller, or zero).
-        exact = -steps * jnp.log2(jnp.maximum(r, 1e-38))
-        lo = jnp.clip(jnp.floor(exact), 0, zero - 1)
-        high = jnp.exp2(-lo / steps)
-        low = jnp.where(lo + 1 >= zero, 0.0, high * np.float32(2.0 ** (-1 / steps)))
-        up = jnp.clip((r - low) / (high - low), 0.0, 1.0)  # P(high): E[stored] = r
-        u = jax.random.uniform(key, r.shape, _F32)
-        code = jnp.where(u < up, lo, lo + 1).astype(jnp.uint8)
-        if signed:
-            code = code | jnp.where(blocks < 0, jnp.uint8(128), jnp.uint8(0))
-        return cls(code, scales, np.shape(x), x.dtype, signed)
+        inv = jnp.where(scales > 0, 1.0 / scales, 0.0)[:, None]
+        r = jnp.minimum(mag * inv, 1.0)
+        code = _quantize_unit(r, _random_bits(key, r.shape), f)
+        if f.signed:
+            code = code | jnp.where(blocks < 0, _u32(128), _u32(0))
+        return cls(code.astype(jnp.uint8), scales, np.shape(x), x.dtype, fmt)
 
     def dequantize(self) -> jax.Array:
         """The moment, as its dtype and shape (see :meth:`quantize`).
@@ -99,16 +152,15 @@ class QuantizedMoment:
         Example:
           >>> import jax, jax.numpy as jnp, mpjax
           >>> v = jnp.array([4.0, 1.0, 0.0, 0.25])
-          >>> q = mpjax.QuantizedMoment.quantize(v, signed=False, block_size=4,
+          >>> q = mpjax.QuantizedMoment.quantize(v, "sqrt_e5m3", block_size=4,
           ...                                    key=jax.random.key(0))
           >>> q.dequantize().tolist()   # powers of two of the largest are exact
           [4.0, 1.0, 0.0, 0.25]
         """
-        steps, zero = _STEPS[self.signed], _ZERO[self.signed]
-        code = self.codes & jnp.uint8(127) if self.signed else self.codes
-        c = code.astype(_F32)
-        mag = jnp.where(c >= zero, 0.0, jnp.exp2(-c / steps)) * self.scales[:, None]
-        if self.signed:
+        f = FORMATS[self.fmt]
+        code = self.codes & jnp.uint8(127) if f.signed else self.codes
+        mag = _dequantize_unit(code, f) * self.scales[:, None]
+        if f.signed:
             mag = jnp.where(self.codes >= 128, -mag, mag)
         else:
             mag = mag * mag
@@ -118,7 +170,7 @@ class QuantizedMoment:
 
 jax.tree_util.register_pytree_node(
     QuantizedMoment,
-    lambda q: ((q.codes, q.scales), (q.shape, q.dtype, q.signed)),
+    lambda q: ((q.codes, q.scales), (q.shape, q.dtype, q.fmt)),
     lambda aux, children: QuantizedMoment(*children, *aux),
 )
 
@@ -156,11 +208,48 @@ def _field(path: tuple[Any, ...]) -> str | None:
     return None
 
 
+def _format(value: Any, which: str) -> str:
+    """The format name for `first=`/`second=`, or an error that names the choices."""
+    name = value
+    if not isinstance(value, str):
+        try:
+            name = _FLOAT8.get(np.dtype(value).name, np.dtype(value).name)
+        except TypeError:
+            name = repr(value)
+    name = _FLOAT8.get(name, name)
+    signed = which == "first"
+    choices = sorted(k for k, f in FORMATS.items() if f.signed == signed)
+    if name in FORMATS and FORMATS[name].signed == signed:
+        return name
+    if not signed and name in FORMATS:
+        f = FORMATS[name]
+        raise ValueError(
+            f"quantize_moments: second={value!r} cannot hold a second moment's range: {name} "
+            f"codes reach 2**-{f.octaves} of a block's largest value, and a second moment is "
+            "the square of the gradients, so a block whose gradients span "
+            f"2**-{f.octaves // 2} already needs all of it (smaller values round to zero, "
+            "and Adam divides by their square roots). Store the square root: "
+            f"second='sqrt_e5m3' (the default, 2**-60 of the largest) or 'sqrt_e4m4'."
+        )
+    if signed and name in FORMATS:
+        raise ValueError(
+            f"quantize_moments: first={value!r} stores a square root, which holds only "
+            "non-negative values, and a first moment changes sign; use first='e5m2' (the "
+            "default) or 'e4m3'."
+        )
+    raise ValueError(
+        f"quantize_moments: {which}={value!r} is not an 8-bit moment format; pass one of "
+        f"{choices}" + (" (or jnp.float8_e5m2 / jnp.float8_e4m3fn)." if signed else ".")
+    )
+
+
 def quantize_moments(
     inner: optax.GradientTransformation,
     *,
     block_size: int = 256,
     min_size: int = 4096,
+    first: Any = "e5m2",
+    second: Any = "sqrt_e5m3",
     key: jax.Array | int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps `inner`'s moments in 8 bits: 1 byte per element and a float32 scale per block.
@@ -168,25 +257,32 @@ def quantize_moments(
     The moment arrays of `inner`'s state (Adam's and Lion's ``mu``, Adam's ``nu``, SGD
     momentum's ``trace``, Adafactor's ``v``/``v_row``/``v_col``) with at least `min_size`
     elements are stored as :class:`QuantizedMoment`: blocks of `block_size` values, each with
-    its largest magnitude as scale, and 8-bit logarithmic codes (2**(1/4) apart with a sign
-    bit for first moments, 2**(1/8) apart for second moments, which are stored as their
-    square roots), so that a block spans 2**-31 of its largest value (2**-63 for a second
-    moment). Each update dequantizes them to float32, runs `inner`, and quantizes the new
+    its largest magnitude as scale, and an 8-bit float per value relative to that scale. A
+    first moment takes a sign bit and e5m2 (the default: 30 octaves below the block's
+    largest, 4 codes per octave) or e4m3 (14 octaves, 8 per octave, the first-moment format
+    of MS-AMP and COAT); a second moment is stored as its square root in e5m3 (the default:
+    60 octaves of the moment) or e4m4 (28), since it spans the square of the gradients'
+    range. Each update dequantizes them to float32, runs `inner`, and quantizes the new
     moments with unbiased stochastic rounding: small changes survive in expectation, as
     with :func:`mpjax.half_updates`'s stochastic mode. Other state (counts, small leaves)
-    stays as `inner` keeps it.
+    stays as `inner` keeps it. Quantizing and dequantizing are integer and bit operations
+    (no logarithm), fused by XLA into the update's loops.
 
     With bfloat16 params and :func:`mpjax.half_updates`, Adam costs about 4 bytes per
     parameter between steps (2 + 1 + 1 + 8 / `block_size`), against 12 with float32 masters:
     ``mpjax.loss_scale(mpjax.half_updates(mpjax.quantize_moments(optax.adam(1e-3))))``. A
     step that :func:`mpjax.loss_scale` skips leaves every byte of this state as it was. A
-    leaf's last block is padded, so any block size fits any shape.
+    leaf's last block is padded with zeros (as bitsandbytes does), so any block size fits
+    any shape; the padding costs at most one block per leaf.
 
     Args:
       inner: an optax transformation that keeps moments (adam, adamw, lion, sgd with
         momentum, adafactor, ...).
       block_size: values per block (a positive int; 256 by default, as torchao's 8-bit Adam).
       min_size: moments with fewer elements stay as they are (biases, norms' scales).
+      first: the first moments' format: ``"e5m2"`` (default) or ``"e4m3"``; the dtypes
+        ``jnp.float8_e5m2`` and ``jnp.float8_e4m3fn`` name them too.
+      second: the second moments' format: ``"sqrt_e5m3"`` (default) or ``"sqrt_e4m4"``.
       key: PRNG key or int seed of the stochastic rounding.
 
     Returns:
@@ -195,9 +291,11 @@ def quantize_moments(
 
     Raises:
       TypeError: if `inner` is not a GradientTransformation.
-      ValueError: if `block_size` or `min_size` is not a positive int, or `inner`'s state has
-        no moment of at least `min_size` elements (an optimizer without moments, such as
-        plain SGD, has nothing to quantize).
+      ValueError: if `block_size` or `min_size` is not a positive int; if a format is
+        unknown, or cannot hold its moment (a square root for a first moment, which changes
+        sign; e4m3 or e5m2 for a second moment, whose range they cannot hold); or if
+        `inner`'s state has no moment of at least `min_size` elements (an optimizer without
+        moments, such as plain SGD, has nothing to quantize).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, mpjax
@@ -215,6 +313,7 @@ def quantize_moments(
     for name, value in (("block_size", block_size), ("min_size", min_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"quantize_moments: {name} must be a positive int, got {value!r}.")
+    first_fmt, second_fmt = _format(first, "first"), _format(second, "second")
     key_data, impl = _key_and_impl(key)
 
     def moment(path: tuple[Any, ...], leaf: Any) -> str | None:
@@ -230,8 +329,8 @@ def quantize_moments(
                 out.append(leaf)
                 continue
             k = jax.random.fold_in(key, i)
-            out.append(QuantizedMoment.quantize(leaf, signed=field in FIRST,
-                                                block_size=block_size, key=k))  # fmt: skip
+            fmt = first_fmt if field in FIRST else second_fmt
+            out.append(QuantizedMoment.quantize(leaf, fmt, block_size=block_size, key=k))
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def dequantize(tree: Any) -> Any:
