@@ -194,12 +194,54 @@ def fp8_candidates() -> None:
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}")
 
 
+def fp8_why() -> None:
+    """Which dots reach XLA's FP8 gemm: 2-D or 3-D operands, constant or run-time scales.
+
+    Run it with ``TF_CPP_VMODULE=gemm_rewriter=1 TF_CPP_MIN_LOG_LEVEL=0`` and XLA's stderr
+    says, per dot it did not rewrite, why.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import mpjax.fp8
+
+    gpu = jax.default_backend() == "gpu"
+    b_, t, d, f = (8, 1024, 2048, 8192) if gpu else (2, 32, 64, 128)
+    key = jax.random.key(0)
+    x3 = jax.random.normal(key, (b_, t, d), jnp.bfloat16)
+    x2 = x3.reshape(b_ * t, d)
+    w2 = jax.random.normal(key, (d, f), jnp.bfloat16) / 64
+    w3 = w2.reshape(d, 16, f // 16)
+    cases = {
+        "2-D x 2-D, constant scales": (x2, w2, (((1,), (0,)), ((), ())), True),
+        "2-D x 2-D, run-time scales": (x2, w2, (((1,), (0,)), ((), ())), False),
+        "3-D x 2-D (Dense), run-time scales": (x3, w2, (((2,), (0,)), ((), ())), False),
+        "3-D x 3-D (DenseGeneral), run-time scales": (x3, w3, (((2,), (0,)), ((), ())), False),
+    }
+    for name, (a, b, dims, const) in cases.items():
+
+        def loss(a, b, scale, dims=dims, const=const):
+            s = jnp.ones(3) if const else scale
+            y = mpjax.fp8.fp8_dot_general(dims, None, None, a, b, s, jnp.zeros(3))
+            return y.astype(jnp.float32).sum()
+
+        g = jax.jit(jax.grad(functools.partial(loss), (0, 1)))
+        print(f"== {name}", flush=True)
+        print(f"{name}: gemms {_gemms(g, a, b, jnp.ones(3))}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="only the FP8 candidates")
+    parser.add_argument("--fp8-why", action="store_true", help="which dots reach FP8 gemms")
     args = parser.parse_args()
+    if args.fp8_why:
+        fp8_why()
+        return
     if args.fp8:
         fp8_candidates()
         return
