@@ -35,9 +35,17 @@ def variants(lr: float = 1e-3):
     return {
         "f32 params, f32 moments (optax.adam)": (jnp.float32, adam),
         BASE: (jnp.bfloat16, mpjax.half_updates(adam, state_dtype=jnp.bfloat16)),
-        "bf16 params, 8-bit moments (quantize_moments)": (
+        "bf16 params, 8-bit moments (quantize_moments default)": (
             jnp.bfloat16,
             mpjax.half_updates(mpjax.quantize_moments(adam)),
+        ),
+        "bf16 params, 8-bit moments, recompute=True": (
+            jnp.bfloat16,
+            mpjax.half_updates(mpjax.quantize_moments(adam, recompute=True)),
+        ),
+        "bf16 params, 8-bit moments, recompute=False": (
+            jnp.bfloat16,
+            mpjax.half_updates(mpjax.quantize_moments(adam, recompute=False)),
         ),
     }
 

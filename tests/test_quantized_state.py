@@ -43,16 +43,29 @@ def test_rounding_is_unbiased_over_the_formats_range(fmt):
     assert float(jnp.abs(one[0])) == 1.0  # the block's largest is exact
 
 
-def test_a_format_is_eight_bits_with_a_float_layout():
-    # e5m2 codes decode the way float8_e5m2 does (times the block scale): the same value set
-    # for normal codes.
-    q = mpjax.QuantizedMoment(
-        jnp.arange(128, dtype=jnp.uint8).reshape(1, 128), jnp.ones(1), (128,), jnp.float32, "e5m2"
-    )
+def test_e5m2_codes_are_float8_e5m2_bits_relative_to_the_block_scale():
+    # Below the top exponent (where float8_e5m2 keeps inf and NaN, and mpjax the block's
+    # largest), a code decodes as the same bits read as float8_e5m2, times 2**-16: the
+    # format is e5m2 with its exponent bias moved so that the top code is the block scale.
+    codes = jnp.arange(128, dtype=jnp.uint8)
+    q = mpjax.QuantizedMoment(codes, jnp.ones((1, 1)), (128,), jnp.float32, "e5m2", 256)
     values = np.asarray(q.dequantize())
-    assert values[0] == 0 and np.all(np.diff(values) > 0)  # monotone from zero up
-    assert values[124] == 1.0 and values[123] == 0.875  # 1 and the code below it
+    as_f8 = np.asarray(jax.lax.bitcast_convert_type(codes, jnp.float8_e5m2), np.float32)
+    np.testing.assert_array_equal(values[:124], as_f8[:124] * 2.0**-16)
+    assert values[124] == 1.0 and values[123] == 0.875 and values[0] == 0
     assert values[4] == 2.0**-30 and values[1] == 2.0**-32  # smallest normal, subnormal step
+
+
+def test_blocks_run_along_trailing_axes_and_codes_keep_the_shape():
+    m = jax.random.normal(jax.random.key(0), (6, 4, 100))
+    q = mpjax.QuantizedMoment.quantize(m, "e5m2", block_size=256, key=jax.random.key(1))
+    # 100 < 256, so a block row is the last two axes (400 values: blocks of 256 and 144).
+    assert q.codes.shape == (6, 4, 100) and q.scales.shape == (6, 2)
+    rows = np.abs(np.asarray(m).reshape(6, 400))
+    np.testing.assert_array_equal(
+        q.scales, np.stack([rows[:, :256].max(1), rows[:, 256:].max(1)], 1)
+    )
+    assert float(jnp.max(jnp.abs(q.dequantize() / m))) <= 1.25 + 1e-6
 
 
 def test_four_bytes_per_param_with_bfloat16_params_and_half_updates():

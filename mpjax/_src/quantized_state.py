@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpjax._src.half_params import _check_inner, _is_float, _key_and_impl, _random_bits, _u32
+from mpjax._src.half_params import (
+    _check_inner,
+    _is_float,
+    _key_and_impl,
+    _random_bits,
+    _u32,
+    _up_to,
+)
 
 _F32 = jnp.dtype(jnp.float32)
 # The optax state fields that hold moments: signed (momentum-like) and non-negative
@@ -78,33 +85,74 @@ def _dequantize_unit(code: jax.Array, f: _Format) -> jax.Array:
     return jnp.where(e > 0, normal, sub)
 
 
+def _rows(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
+    """The 2-D view ``[rows, cols]`` blocks run along: `cols` is the product of the fewest
+    trailing axes that reach `block_size` (all of them for a small array)."""
+    cols = 1
+    for k in range(len(shape) - 1, -1, -1):
+        cols *= shape[k]
+        if cols >= block_size:
+            break
+    size = int(np.prod(shape, dtype=np.int64))
+    return (size // cols if cols else 0), cols
+
+
+def _magnitudes(x: jax.Array, f: _Format, block_size: int) -> jax.Array:
+    """`x` as float32 (its square root for a non-negative format) in its ``[rows, cols]``
+    view."""
+    v = jnp.asarray(x).astype(_F32).reshape(_rows(np.shape(x), block_size))
+    return v if f.signed else jnp.sqrt(jnp.maximum(v, 0.0))
+
+
+def _block_max(v: jax.Array, block_size: int) -> jax.Array:
+    """Each block's largest magnitude: ``[rows, ceil(cols / block_size)]``."""
+    rows, cols = v.shape
+    blocks = -(-cols // block_size)
+    padded = jnp.pad(jnp.abs(v), ((0, 0), (0, blocks * block_size - cols)))
+    return jnp.max(padded.reshape(rows, blocks, block_size), axis=-1)
+
+
+def _spread(scales: jax.Array, cols: int, block_size: int) -> jax.Array:
+    """Block values ``[rows, blocks]`` repeated over their elements: ``[rows, cols]``."""
+    rows, blocks = scales.shape
+    wide = jnp.broadcast_to(scales[:, :, None], (rows, blocks, block_size))
+    return wide.reshape(rows, blocks * block_size)[:, :cols]
+
+
 class QuantizedMoment:
-    """One moment array stored in 8 bits: uint8 codes in blocks, a float32 scale per block.
+    """One moment array stored in 8 bits: a uint8 code per element, a float32 scale per block.
 
     Each code is an 8-bit float relative to its block's largest magnitude (the scale): for a
     signed (first) moment a sign bit and e5m2 or e4m3, for a non-negative (second) moment the
     square root, unsigned, in e5m3 or e4m4, so the moment itself spans twice the octaves.
     Below a format's smallest normal value the codes are a linear grid down to zero, as IEEE
-    subnormals are. The last block is padded with zeros.
+    subnormals are. Blocks run along the trailing axes (the fewest whose product reaches the
+    block size), so the codes keep the moment's shape (and shard as it does); a row's last
+    block may be short.
 
     Attributes:
-      codes: uint8 ``[blocks, block_size]``.
-      scales: float32 ``[blocks]``: each block's largest magnitude.
+      codes: uint8, the moment's shape.
+      scales: float32 ``[rows, blocks per row]``: each block's largest magnitude.
       shape: the moment's shape.
       dtype: the moment's dtype when dequantized.
       fmt: the code format: ``"e5m2"``, ``"e4m3"``, ``"sqrt_e5m3"`` or ``"sqrt_e4m4"``.
+      block_size: values per block.
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax
       >>> m = jnp.array([0.5, -0.25, 0.0, 1e-3])
       >>> q = mpjax.QuantizedMoment.quantize(m, "e5m2", block_size=4, key=jax.random.key(0))
       >>> q.codes.dtype, q.scales.tolist(), q.dequantize().tolist()[:3]
-      (dtype('uint8'), [0.5], [0.5, -0.25, 0.0])
+      (dtype('uint8'), [[0.5]], [0.5, -0.25, 0.0])
     """
 
-    def __init__(self, codes: Any, scales: Any, shape: tuple[int, ...], dtype: Any, fmt: str):
+    def __init__(
+        self, codes: Any, scales: Any, shape: tuple[int, ...], dtype: Any, fmt: str,
+        block_size: int,
+    ):  # fmt: skip
         self.codes, self.scales = codes, scales
         self.shape, self.dtype, self.fmt = tuple(shape), np.dtype(dtype), str(fmt)
+        self.block_size = int(block_size)
 
     @property
     def signed(self) -> bool:
@@ -112,15 +160,25 @@ class QuantizedMoment:
         return FORMATS[self.fmt].signed
 
     def __repr__(self) -> str:
-        return f"QuantizedMoment({self.fmt}, shape={self.shape}, blocks={np.shape(self.codes)})"
+        return (
+            f"QuantizedMoment({self.fmt}, shape={self.shape}, "
+            f"scales={np.shape(self.scales)}, block_size={self.block_size})"
+        )
 
     @classmethod
     def quantize(
-        cls, x: jax.Array, fmt: str, *, block_size: int, key: jax.Array
+        cls,
+        x: jax.Array,
+        fmt: str,
+        *,
+        block_size: int,
+        key: jax.Array,
+        scales: jax.Array | None = None,
     ) -> QuantizedMoment:
         """Quantizes `x` blockwise, rounding each value to one of its two neighbouring codes
         with the probabilities that make the stored value's expectation exact (the square
-        root's, for a non-negative moment).
+        root's, for a non-negative moment). `scales`, if given, are the block maxima (of the
+        square roots, for a non-negative format) computed elsewhere.
 
         Example:
           >>> import jax, jax.numpy as jnp, mpjax
@@ -132,19 +190,16 @@ class QuantizedMoment:
           True
         """
         f = FORMATS[fmt]
-        flat = jnp.ravel(x).astype(_F32)
-        if not f.signed:
-            flat = jnp.sqrt(jnp.maximum(flat, 0.0))
-        pad = (-flat.size) % block_size
-        blocks = jnp.pad(flat, (0, pad)).reshape(-1, block_size)
-        mag = jnp.abs(blocks)
-        scales = jnp.max(mag, axis=1)
-        inv = jnp.where(scales > 0, 1.0 / scales, 0.0)[:, None]
-        r = jnp.minimum(mag * inv, 1.0)
+        v = _magnitudes(x, f, block_size)
+        if scales is None:
+            scales = _block_max(v, block_size)
+        inv = jnp.where(scales > 0, 1.0 / scales, 0.0)
+        r = jnp.minimum(jnp.abs(v) * _spread(inv, v.shape[1], block_size), 1.0)
         code = _quantize_unit(r, _random_bits(key, r.shape), f)
         if f.signed:
-            code = code | jnp.where(blocks < 0, _u32(128), _u32(0))
-        return cls(code.astype(jnp.uint8), scales, np.shape(x), x.dtype, fmt)
+            code = code | jnp.where(v < 0, _u32(128), _u32(0))
+        codes = code.astype(jnp.uint8).reshape(np.shape(x))
+        return cls(codes, scales, np.shape(x), x.dtype, fmt, block_size)
 
     def dequantize(self) -> jax.Array:
         """The moment, as its dtype and shape (see :meth:`quantize`).
@@ -158,19 +213,20 @@ class QuantizedMoment:
           [4.0, 1.0, 0.0, 0.25]
         """
         f = FORMATS[self.fmt]
-        code = self.codes & jnp.uint8(127) if f.signed else self.codes
-        mag = _dequantize_unit(code, f) * self.scales[:, None]
+        codes = self.codes.reshape(_rows(self.shape, self.block_size))
+        code = codes & jnp.uint8(127) if f.signed else codes
+        scale = _spread(self.scales, codes.shape[1], self.block_size)
+        mag = _dequantize_unit(code, f) * scale
         if f.signed:
-            mag = jnp.where(self.codes >= 128, -mag, mag)
+            mag = jnp.where(codes >= 128, -mag, mag)
         else:
             mag = mag * mag
-        size = int(np.prod(self.shape))
-        return mag.reshape(-1)[:size].reshape(self.shape).astype(self.dtype)
+        return mag.reshape(self.shape).astype(self.dtype)
 
 
 jax.tree_util.register_pytree_node(
     QuantizedMoment,
-    lambda q: ((q.codes, q.scales), (q.shape, q.dtype, q.fmt)),
+    lambda q: ((q.codes, q.scales), (q.shape, q.dtype, q.fmt, q.block_size)),
     lambda aux, children: QuantizedMoment(*children, *aux),
 )
 
@@ -251,6 +307,7 @@ def quantize_moments(
     first: Any = "e5m2",
     second: Any = "sqrt_e5m3",
     key: jax.Array | int = 0,
+    recompute: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps `inner`'s moments in 8 bits: 1 byte per element and a float32 scale per block.
 
@@ -284,6 +341,13 @@ def quantize_moments(
         ``jnp.float8_e5m2`` and ``jnp.float8_e4m3fn`` name them too.
       second: the second moments' format: ``"sqrt_e5m3"`` (default) or ``"sqrt_e4m4"``.
       key: PRNG key or int seed of the stochastic rounding.
+      recompute: where the block scales come from. A block's scale is its largest new
+        value, needed before any of its codes: with ``True`` a second evaluation of `inner`
+        feeds only the block maxima, so the new float32 moments never go to memory (on an
+        H200, an Adam update of 256M bfloat16 params took 3.2 ms this way and 5.6 ms
+        without, against 1.4 ms with bfloat16 moments); with ``False`` the moments are
+        computed once, written in float32 and read back, which costs less on a CPU, where
+        the second evaluation is compute. ``None`` (default): ``True`` except on a CPU.
 
     Returns:
       An optax ``GradientTransformationExtraArgs`` whose state is a
@@ -320,17 +384,22 @@ def quantize_moments(
         field = _field(path)
         return field if _is_float(leaf) and np.prod(np.shape(leaf)) >= min_size else None
 
-    def quantize(tree: Any, key: jax.Array) -> Any:
+    def quantize(tree: Any, key: jax.Array, shadow: Any = None) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        twins = [None] * len(leaves) if shadow is None else _up_to(treedef, shadow)
         out = []
-        for i, (path, leaf) in enumerate(leaves):
+        for i, ((path, leaf), twin) in enumerate(zip(leaves, twins, strict=True)):
             field = moment(path, leaf)
             if field is None:
                 out.append(leaf)
                 continue
             k = jax.random.fold_in(key, i)
             fmt = first_fmt if field in FIRST else second_fmt
-            out.append(QuantizedMoment.quantize(leaf, fmt, block_size=block_size, key=k))
+            scales = None
+            if twin is not None:
+                scales = _block_max(_magnitudes(twin, FORMATS[fmt], block_size), block_size)
+            out.append(QuantizedMoment.quantize(leaf, fmt, block_size=block_size, key=k,
+                                                scales=scales))  # fmt: skip
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def dequantize(tree: Any) -> Any:
@@ -366,8 +435,15 @@ def quantize_moments(
         inner_updates, inner_state = inner_tx.update(
             updates, dequantize(state.inner_state), params, **extra_args
         )
+        shadow = None
+        if recompute or (recompute is None and jax.default_backend() != "cpu"):
+            # The block scales from a second evaluation of `inner` that XLA cannot merge with
+            # the first: its moments feed only the block maxima, so no float32 moment is
+            # written to memory and read back (see the `recompute` argument).
+            g, q, p = jax.lax.optimization_barrier((updates, state.inner_state, params))
+            _, shadow = inner_tx.update(g, dequantize(q), p, **extra_args)
         new_state = QuantizedMomentsState(
-            quantize(inner_state, round_key), jax.random.key_data(key)
+            quantize(inner_state, round_key, shadow), jax.random.key_data(key)
         )
         return inner_updates, new_state
 
