@@ -340,23 +340,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--lm-steps", type=int, default=None)
     parser.add_argument("--lm-lr", type=float, default=3e-4)
     parser.add_argument("--tasks", default="digits,lm")
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated ways to run")
     parser.add_argument("--out", default=".", help="where to write the JSON and the PNG")
     args = parser.parse_args(argv)
     seeds = args.seeds or (2 if args.quick else 3)
     epochs = args.digits_epochs or (2 if args.quick else 10)
     lm_steps = args.lm_steps or (20 if args.quick else 600)
     tasks = args.tasks.split(",")
+    chosen = [run for run in RUNS if run in args.runs.split(",")]
+    if not chosen:
+        parser.error(f"--runs names none of {list(RUNS)}")
 
     runs = []
     start = time.perf_counter()
     if "digits" in tasks:
         data = load_data()
-        for run in RUNS:
+        for run in chosen:
             runs.append(train_digits(run, seeds, epochs, args.digits_lr, data))
             print(f"digits {run}: {cell(runs[-1]['values'], True)}", file=sys.stderr)
     if "lm" in tasks:
         text, _ = corpus()
-        for run in RUNS:
+        for run in chosen:
             runs.append(train_lm(run, seeds, lm_steps, args.lm_lr, text))
             print(f"lm {run}: {cell(runs[-1]['values'], False)}", file=sys.stderr)
     print(

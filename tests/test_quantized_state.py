@@ -117,7 +117,36 @@ def test_trains_as_the_float32_state_does(make):
         losses[quantized] = np.mean(finals)
     start = float(np.mean([jnp.mean(_regression(s)[1] ** 2) for s in range(3)]))
     assert losses[False] < 0.2 * start, (losses, start)
-    assert losses[True] <= 1.5 * losses[False] + 1e-3 * start, losses
+    assert losses[True] <= 1.1 * losses[False] + 1e-3 * start, losses
+
+
+def _fit(tx, seed, steps=400):
+    x, y = _regression(seed)
+    params, state = {"w": jnp.zeros((64, 64))}, tx.init({"w": jnp.zeros((64, 64))})
+
+    @jax.jit
+    def step(params, state):
+        g = jax.grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+        u, state = tx.update(g, state, params)
+        return optax.apply_updates(params, u), state
+
+    for _ in range(steps):
+        params, state = step(params, state)
+    return float(jnp.mean((x @ params["w"] - y) ** 2))
+
+
+def test_lion_needs_the_first_moments_mantissa():
+    # Lion steps by the sign of its first moment (mixed with the gradient): rounding noise in
+    # small entries flips signs. e4m3 (3 mantissa bits, the default) stays within 5% of the
+    # float32 state's loss; e5m2 (2 bits) ends further above it.
+    full = np.mean([_fit(optax.lion(1e-3), s) for s in range(3)])
+    e4m3, e5m2 = (
+        np.mean(
+            [_fit(mpjax.quantize_moments(optax.lion(1e-3), first=f, key=s), s) for s in range(3)]
+        )  # fmt: skip
+        for f in ("e4m3", "e5m2")
+    )
+    assert e4m3 <= 1.05 * full and e4m3 < e5m2, (full, e4m3, e5m2)
 
 
 def test_a_skipped_step_leaves_every_byte_and_resume_is_bit_identical(tmp_path):
@@ -160,11 +189,11 @@ def test_bad_input_names_the_fix():
         mpjax.quantize_moments(optax.adam(0.1), second=jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match=r"cannot hold a second moment's range"):
         mpjax.quantize_moments(optax.adam(0.1), second="e5m2")
-    with pytest.raises(ValueError, match=r"changes sign; use first='e5m2'"):
+    with pytest.raises(ValueError, match=r"changes sign; use first='e4m3'"):
         mpjax.quantize_moments(optax.adam(0.1), first="sqrt_e5m3")
     unknown = r"not an 8-bit moment format; pass one of \['e4m3', 'e5m2'\]"
     with pytest.raises(ValueError, match=unknown):
         mpjax.quantize_moments(optax.adam(0.1), first=jnp.int8)
     # The float8 dtypes name the formats they are.
-    tx = mpjax.quantize_moments(optax.adam(0.1), first=jnp.float8_e4m3fn, min_size=16)
-    assert tx.init({"w": jnp.ones(64)}).inner_state[0].mu["w"].fmt == "e4m3"
+    tx = mpjax.quantize_moments(optax.adam(0.1), first=jnp.float8_e5m2, min_size=16)
+    assert tx.init({"w": jnp.ones(64)}).inner_state[0].mu["w"].fmt == "e5m2"
