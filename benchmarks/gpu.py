@@ -15,7 +15,9 @@ as it is done (a run cut short keeps what it finished):
    autocast bfloat16), interleaved; then what the audit finds the O1/O2 steps' gemms run in;
 3. the Transformer LM and the ResNet (``models.py --size gpu``): O0, O1/O2 bfloat16, O2
    float16 with and without loss scaling, the hand-written ``dtype=`` step, and FP8 (base O2
-   bfloat16), with the FP8 step's gemm dtypes from the optimized HLO.
+   bfloat16), with the FP8 step's gemm dtypes from the optimized HLO;
+4. the Adam update of 256M bfloat16 params with 8-bit moments against bfloat16 and float32
+   state (``quantized_state.py``).
 
 It installs nothing: JAX with CUDA, flax, optax and torch are what the GPU machine has. mpjax
 runs from this checkout (``PYTHONPATH=.``).
@@ -197,6 +199,12 @@ def run_sections(args) -> dict:
     import models
     import simplenet
 
+    def quantized_state_section() -> dict:
+        import quantized_state
+
+        n = 2**28 if jax.default_backend() == "gpu" else 2**20
+        return quantized_state.main(["--params", str(n), "--rounds", "20"])
+
     def model_section(kind: str) -> dict:
         return models.main(["--model", kind, "--size", args.model_size, "--rounds",
                             str(args.rounds), "--variants", args.variants])  # fmt: skip
@@ -208,6 +216,7 @@ def run_sections(args) -> dict:
         ("transformer", lambda: model_section("transformer")),
         ("fp8_gemms", lambda: fp8_gemms(args.model_size)),
         ("resnet", lambda: model_section("resnet")),
+        ("quantized_state", quantized_state_section),
     ]
     only = set(args.only.split(",")) if args.only else None
     for name, run in sections:
@@ -222,7 +231,7 @@ def run_sections(args) -> dict:
             print(tb, flush=True)
             r = {"error": tb, "markdown": f"### {name}: failed\n\n```\n{tb[-1500:]}\n```"}
         r["seconds"] = time.perf_counter() - start
-        if name not in ("simplenet", "transformer", "resnet"):  # those print their own
+        if name not in ("simplenet", "transformer", "resnet", "quantized_state"):  # print their own
             print(r["markdown"], flush=True)
         print(f"({r['seconds']:.0f} s)", flush=True)
         results["sections"][name] = r

@@ -24,6 +24,7 @@ import harness  # noqa: E402
 import loss_scale_overhead  # noqa: E402
 import memory  # noqa: E402
 import models  # noqa: E402
+import quantized_state  # noqa: E402
 import simplenet  # noqa: E402
 
 
@@ -57,6 +58,9 @@ def main(argv=None) -> None:
     r = compile_overhead.main(["--rounds", str(max(3, args.rounds // 2))])
     raw["compile_overhead"] = r
     sections.append(f"### Trace + lower time of a train step ({r['policy']})\n\n" + r["markdown"])
+    r = quantized_state.main(["--params", str(2**22), "--rounds", str(args.rounds)])
+    raw["quantized_state"] = r
+    sections.append(r["markdown"])
     info = harness.machine()
     header = [
         "# Benchmark results",

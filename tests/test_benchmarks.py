@@ -127,3 +127,34 @@ def test_gpu_benchmark_runs_its_sections_on_cpu_and_saves_each(tmp_path):
     assert "failed" not in text and "| x.astype(bf16).astype(f32) rounds" in text
     # On a CPU XLA runs half matmuls in float32: the audit counts them as float32 gemms.
     assert "| O2 bfloat16 | dot float32xfloat32: 26 | 26 |" in text
+
+
+def test_quantized_state_benchmark_counts_bytes_per_param():
+    quantized_state = pytest.importorskip("quantized_state")
+    result = quantized_state.main(["--params", "65536", "--rounds", "2"])
+    md = result["markdown"]
+    assert set(result["times"]) == set(quantized_state.variants())
+    # params + state, counted from the pytrees: 4 + 8, 2 + 4, and 2 + 1 + 1 + 2 * 4 / 256 (a
+    # float32 scale per block of 256, for each of the two moments).
+    assert "| 12.00 |" in md and "| 6.00 |" in md and "| 4.03 |" in md, md
+
+
+@pytest.mark.slow
+def test_update_ulp_study_separates_the_rounding_modes():
+    update_ulp = pytest.importorskip("update_ulp")
+    result = update_ulp.main(["--seeds", "1", "--lrs", "1e-4,1e-2"])
+    shares = {k: v[0] for k, v in result["shares"].items()}
+    # Updates of about 1% of an ulp: round to nearest never moves; the compensated sum keeps
+    # float32's progress; at about one ulp round to nearest moves too.
+    assert shares["sgd, bf16 nearest @ lr 0.0001"] == 0.0
+    assert shares["sgd, bf16 kahan @ lr 0.0001"] > 0.9
+    assert shares["sgd, bf16 nearest @ lr 0.01"] > 0.5
+    assert shares["momentum, 8-bit momentum, f32 params @ lr 0.0001"] > 0.9
+
+
+@pytest.mark.slow
+def test_half_params_corpus_benchmark_runs():
+    corpus = pytest.importorskip("half_params_corpus")
+    result = corpus.main(["--steps", "2", "--seeds", "1", "--models", "bert"])
+    assert set(result["final"]["bert"]) == set(corpus.RUNS)
+    assert "| bert | bf16 stochastic, 8-bit moments |" in result["markdown"]
