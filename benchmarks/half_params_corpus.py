@@ -77,23 +77,25 @@ def main(argv=None) -> dict:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--models", default="gpt2,bert")
+    parser.add_argument("--runs", default=",".join(RUNS), help="ways to run (and masters)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     makers = {"gpt2": lambda s: gpt2_case(GPT2_SEED + s), "bert": bert_case}
+    runs = [r for r in RUNS if r in args.runs.split(",") or r == "float32 masters"]
     rows, result = [], {"config": vars(args), "final": {}}
     for model in args.models.split(","):
         finals: dict[str, list[float]] = {}
         sizes: dict[str, float] = {}
         for seed in range(args.seeds):
             case = makers[model](seed)
-            for run in RUNS:
+            for run in runs:
                 value, per_param = train(case, run, args.steps, args.lr, seed)
                 finals.setdefault(run, []).append(value)
                 sizes[run] = per_param
                 print(f"{model} seed {seed} {run}: {value:.4f}", flush=True)
         ref = np.asarray(finals["float32 masters"])
         noise = float(np.std(ref)) or float("nan")
-        for run in RUNS:
+        for run in runs:
             v = np.asarray(finals[run])
             gap = float(np.mean(v - ref))
             rows.append([model, run, f"{v.mean():.4f} ± {v.std():.4f}", f"{sizes[run]:.2f}",
