@@ -29,8 +29,8 @@ import harness  # noqa: E402
 
 import mpjax  # noqa: E402
 
-RUNS = ("float32 masters", "bf16 nearest", "bf16 stochastic, bf16 moments",
-        "bf16 stochastic, 8-bit moments")  # fmt: skip
+RUNS = ("float32 masters", "bf16 nearest", "bf16 stochastic + bf16 moments",
+        "bf16 stochastic + 8-bit moments")  # fmt: skip
 
 
 def policy_and_tx(run: str, lr: float, seed: int):
@@ -40,7 +40,7 @@ def policy_and_tx(run: str, lr: float, seed: int):
     adam = optax.adam(lr)
     if run == "bf16 nearest":
         return policy, mpjax.half_updates(adam, "nearest", key=seed)
-    if run == "bf16 stochastic, bf16 moments":
+    if run == "bf16 stochastic + bf16 moments":
         return policy, mpjax.half_updates(adam, key=seed, state_dtype="bfloat16")
     # The test models are small: quantize every moment of at least 256 elements.
     return policy, mpjax.half_updates(mpjax.quantize_moments(adam, min_size=256, key=seed),

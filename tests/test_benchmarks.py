@@ -157,4 +157,4 @@ def test_half_params_corpus_benchmark_runs():
     corpus = pytest.importorskip("half_params_corpus")
     result = corpus.main(["--steps", "2", "--seeds", "1", "--models", "bert"])
     assert set(result["final"]["bert"]) == set(corpus.RUNS)
-    assert "| bert | bf16 stochastic, 8-bit moments |" in result["markdown"]
+    assert "| bert | bf16 stochastic + 8-bit moments |" in result["markdown"]
