@@ -156,7 +156,15 @@ class QuantizedMoment:
 
     @property
     def signed(self) -> bool:
-        """Whether the moment can be negative (a first moment's format)."""
+        """Whether the moment can be negative (a first moment's format).
+
+        Example:
+          >>> import jax, jax.numpy as jnp, mpjax
+          >>> q = mpjax.QuantizedMoment.quantize(jnp.ones(4), "sqrt_e5m3", block_size=4,
+          ...                                    key=jax.random.key(0))
+          >>> q.signed
+          False
+        """
         return FORMATS[self.fmt].signed
 
     def __repr__(self) -> str:
