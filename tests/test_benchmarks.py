@@ -129,6 +129,7 @@ def test_gpu_benchmark_runs_its_sections_on_cpu_and_saves_each(tmp_path):
     assert "| O2 bfloat16 | dot float32xfloat32: 26 | 26 |" in text
 
 
+@pytest.mark.slow
 def test_quantized_state_benchmark_counts_bytes_per_param():
     quantized_state = pytest.importorskip("quantized_state")
     result = quantized_state.main(["--params", "65536", "--rounds", "2"])
