@@ -88,6 +88,7 @@ def _regression(seed):
     return x, x @ w_true
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make", [optax.adam, optax.adamw, optax.lion, lambda lr: optax.sgd(lr, momentum=0.9)]
 )
