@@ -662,7 +662,7 @@ def test_corpus_models_train_in_bfloat16_as_float32_masters_do(name):
 def test_half_params_example_quick(tmp_path):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
     example = pytest.importorskip("half_params")
-    results = example.main(["--quick", "--out", str(tmp_path)])
+    results = example.main(["--quick", "--seeds", "1", "--out", str(tmp_path)])
     assert (tmp_path / "half_params.png").stat().st_size > 10_000
     assert (tmp_path / "half_params.json").exists()
     runs = {r["run"] for r in results["runs"]}
