@@ -41,6 +41,11 @@ class _Format(NamedTuple):
         return 128 - 2**self.exponent
 
     @property
+    def sub_step(self) -> np.float32:
+        """The step of the linear grid below the smallest normal code (IEEE's subnormals)."""
+        return np.float32(2.0 ** (self.bias - 126 - self.mantissa))
+
+    @property
     def octaves(self) -> int:
         """How many powers of two below the block's largest the normal codes reach."""
         return 2**self.exponent - 2
@@ -66,8 +71,7 @@ def _quantize_unit(r: jax.Array, bits: jax.Array, f: _Format) -> jax.Array:
     shift = 23 - f.mantissa
     rb = jax.lax.bitcast_convert_type(r, jnp.uint32)
     normal = ((rb + (bits >> (32 - shift))) >> shift) - _u32(f.bias << f.mantissa)
-    sub_step = np.float32(2.0 ** (f.bias - 126 - f.mantissa))  # the linear grid's step
-    q = r / sub_step
+    q = r / f.sub_step
     floor = jnp.floor(q)
     u = (bits >> 8).astype(_F32) * np.float32(2.0**-24)
     sub = (floor + (u < q - floor)).astype(jnp.uint32)
@@ -81,7 +85,7 @@ def _dequantize_unit(code: jax.Array, f: _Format) -> jax.Array:
     normal = jax.lax.bitcast_convert_type(
         (c + _u32(f.bias << f.mantissa)) << (23 - f.mantissa), jnp.float32
     )
-    sub = c.astype(_F32) * np.float32(2.0 ** (f.bias - 126 - f.mantissa))
+    sub = c.astype(_F32) * f.sub_step
     return jnp.where(e > 0, normal, sub)
 
 
@@ -277,7 +281,7 @@ def _format(value: Any, which: str) -> str:
     name = value
     if not isinstance(value, str):
         try:
-            name = _FLOAT8.get(np.dtype(value).name, np.dtype(value).name)
+            name = np.dtype(value).name
         except TypeError:
             name = repr(value)
     name = _FLOAT8.get(name, name)
@@ -336,9 +340,9 @@ def quantize_moments(
     With bfloat16 params and :func:`mpjax.half_updates`, Adam costs about 4 bytes per
     parameter between steps (2 + 1 + 1 + 8 / `block_size`), against 12 with float32 masters:
     ``mpjax.loss_scale(mpjax.half_updates(mpjax.quantize_moments(optax.adam(1e-3))))``. A
-    step that :func:`mpjax.loss_scale` skips leaves every byte of this state as it was. A
-    leaf's last block is padded with zeros (as bitsandbytes does), so any block size fits
-    any shape; the padding costs at most one block per leaf.
+    step that :func:`mpjax.loss_scale` skips leaves every byte of this state as it was.
+    Blocks run along each moment's trailing axes and a row's last block may be short, so any
+    block size fits any shape and the codes keep the moment's shape.
 
     Args:
       inner: an optax transformation that keeps moments (adam, adamw, lion, sgd with
