@@ -4,9 +4,12 @@ Precision policies and the O0-O3 levels, loss scales as pytrees, and loss scalin
 transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp's.
 """
 
-from mpjax._src.audit import AuditReport, NonFiniteOrigin, audit, find_nonfinite
-from mpjax._src.autocast import autocast, full_precision, half_precision
-from mpjax._src.compare import CompareReport, F32Rules, compare, find_f32_rules
+from mpjax._src.audit import audit
+from mpjax._src.audit_report import AuditReport
+from mpjax._src.autocast import autocast
+from mpjax._src.compare import compare
+from mpjax._src.compare_report import CompareReport
+from mpjax._src.f32_search import F32Rules, find_f32_rules
 from mpjax._src.half_params import HalfUpdatesState, half_updates, stochastic_round
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
@@ -18,6 +21,7 @@ from mpjax._src.loss_scale import (
     all_finite,
     select_tree,
 )
+from mpjax._src.nonfinite import NonFiniteOrigin, find_nonfinite
 from mpjax._src.ops import F32_OPS, LOWER_OPS
 from mpjax._src.policy import (
     LEVELS,
@@ -29,6 +33,7 @@ from mpjax._src.policy import (
     parse_dtype,
 )
 from mpjax._src.quantized_state import QuantizedMoment, QuantizedMomentsState, quantize_moments
+from mpjax._src.regions import full_precision, half_precision
 from mpjax._src.transform import (
     HalfAdamWarning,
     InexactSkipWarning,

@@ -24,40 +24,59 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export  # JAX 0.6 does not load it as an attribute of jax
 
-from mpjax._src.autocast import INLINE_CALLS, SHAPE_OPS, autocast
+from mpjax._src import interpret
+from mpjax._src import jax_compat as jc
+from mpjax._src.autocast import autocast
 from mpjax._src.policy import Policy
+from mpjax._src.rules import SHAPE_OPS
 
 _FORMAT = 1
 _FUNCTION_FILE = "function.stablehlo"
 _PARAMS_FILE = "params.npz"
 _META_FILE = "export.json"
-# Ops that pass a param on unchanged in value (its shape or dtype aside).
-_PASS_THROUGH = SHAPE_OPS | {"convert_element_type"}
 
 
-def _only_feeds(var: Any, jaxpr: Any, lower_ops: frozenset[str]) -> bool:
-    """Whether every use of `var` in `jaxpr` ends in a lower-list op."""
-    if any(v is var for v in jaxpr.outvars):
-        return False
-    used = False
-    for eqn in jaxpr.eqns:
-        positions = [i for i, v in enumerate(eqn.invars) if v is var]
-        if not positions:
-            continue
-        used = True
-        name = eqn.primitive.name
-        if name in lower_ops:
-            continue
-        if name in _PASS_THROUGH:
-            if not all(_only_feeds(out, jaxpr, lower_ops) for out in eqn.outvars):
-                return False
-            continue
-        if name in INLINE_CALLS:
-            inner = eqn.params[INLINE_CALLS[name]].jaxpr
-            if all(_only_feeds(inner.invars[i], inner, lower_ops) for i in positions):
-                continue
-        return False
-    return used
+# -- which params only feed lower-list ops: a use analysis on the interpreter core ---------------
+#
+# A backward walk marks each variable with whether every use of it ends in a lower-list op
+# (through ops that pass it on unchanged in value, its shape or dtype aside, and inlined
+# calls). Each rule gives, from the marks of its equation's results, those of its operands.
+_USES = interpret.Rules(default=lambda eqn, outs_only, lower_ops: [False] * len(eqn.invars))
+
+
+@_USES.register(*SHAPE_OPS, "convert_element_type")
+def _passes_on(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> list[bool]:
+    return [all(outs_only)] * len(eqn.invars)
+
+
+@_USES.register(*interpret.INLINE_CALLS)
+def _call_uses(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> list[bool]:
+    inner = interpret.open_jaxpr(interpret.call_body(eqn, interpret.INLINE_CALLS))[0]
+    return _only_feeds(inner, lower_ops)
+
+
+def _only_feeds(jaxpr: Any, lower_ops: frozenset[str]) -> list[bool]:
+    """For each input of `jaxpr`: whether it is used, and every use ends in a lower-list op."""
+    only: dict[Any, bool] = {}
+
+    def use(v: Any, flag: bool) -> None:
+        if not isinstance(v, jc.Literal):
+            only[v] = only.get(v, True) and flag
+
+    for v in jaxpr.outvars:
+        use(v, False)
+
+    def step(eqn: Any) -> None:
+        if eqn.primitive.name in lower_ops:
+            flags = [True] * len(eqn.invars)
+        else:
+            outs_only = [only.get(v, False) for v in eqn.outvars]
+            flags = _USES(eqn)(eqn, outs_only, lower_ops)
+        for v, f in zip(eqn.invars, flags, strict=True):
+            use(v, f)
+
+    interpret.backward(jaxpr, step)
+    return [only.get(v, False) for v in jaxpr.invars]
 
 
 def half_param_paths(fn: Callable[..., Any], params: Any, policy: Policy, *args: Any) -> list[str]:
@@ -71,12 +90,11 @@ def half_param_paths(fn: Callable[..., Any], params: Any, policy: Policy, *args:
       ["['w']"]"""
     closed = jax.make_jaxpr(fn)(params, *args)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    invars = closed.jaxpr.invars[: len(flat)]
+    only = _only_feeds(closed.jaxpr, policy.lower_ops)[: len(flat)]
     return [
         jax.tree_util.keystr(path)
-        for (path, leaf), var in zip(flat, invars, strict=True)
-        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
-        and _only_feeds(var, closed.jaxpr, policy.lower_ops)
+        for (path, leaf), lower_only in zip(flat, only, strict=True)
+        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating) and lower_only
     ]
 
 

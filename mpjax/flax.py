@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import fnmatch
 import functools
 from collections.abc import Callable, Iterator, Mapping
@@ -29,9 +30,10 @@ from flax.training import train_state
 
 from mpjax._src import hardware, transform
 from mpjax._src import loss_scale as ls_lib
-from mpjax._src.autocast import F32_REGION, autocast, region_key
+from mpjax._src.autocast import autocast
 from mpjax._src.fp8 import FP8Policy
 from mpjax._src.policy import Policy, cast_floating
+from mpjax._src.regions import F32_REGION, region_key
 
 RuleKey = type | str
 Rules = Mapping[RuleKey, Policy | str]
@@ -359,7 +361,10 @@ jax.tree_util.register_pytree_node(_Paths, lambda p: ((), p.paths), lambda aux, 
 
 def _nnx_run(resolver: _Resolver, graphdef: Any, variables: Any, args: Any, kwargs: Any) -> Any:
     model = nnx.graph.unflatten(graphdef, list(variables))
-    with _nnx_markers(model, resolver):
+    with contextlib.ExitStack() as stack:
+        for scope in _MODULE_SCOPES.get():  # see module_scopes
+            stack.enter_context(_path_scopes(model, scope))
+        stack.enter_context(_nnx_markers(model, resolver))
         out = model(*args, **kwargs)
     _, new_paths, new_variables = _flatten(model)
     return out, _Paths(tuple(new_paths)), new_variables
@@ -419,6 +424,90 @@ def _holds_marks(module: nnx.Module) -> bool:
 def _find_call(cls: type) -> Any:
     """The ``__call__`` instances of `cls` run, or None (not the metaclass's, which builds)."""
     return next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+
+
+# Scopes entered around each module call of a wrapped NNX model, by path (see module_scopes).
+_MODULE_SCOPES: contextvars.ContextVar[tuple[Callable[[str], Any], ...]] = contextvars.ContextVar(
+    "mpjax_module_scopes", default=()
+)
+# A module's path for module_scopes, stored on it as _MARKER_ATTR is (it survives NNX's
+# split/merge).
+_PATH_ATTR = "_mpjax_scope_path"
+
+
+@contextlib.contextmanager
+def module_scopes(
+    scope: Callable[[str], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """While active, each module call of an NNX model that :func:`wrap` runs is made inside
+    ``scope(path)``, `path` being the module's path in the model (``"blocks/attn"``, ``""``
+    for the model itself), also inside NNX's transforms. This is what linen's
+    ``nn.intercept_methods`` offers for linen modules; ``mpjax.compare`` names each module's
+    ops by its path this way. Scopes nest: the innermost ``module_scopes`` is entered last.
+
+    Example:
+      >>> import contextlib, jax.numpy as jnp, mpjax, mpjax.flax
+      >>> from flax import nnx
+      >>> class Net(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.fc = nnx.Linear(2, 2, rngs=rngs)
+      ...     def __call__(self, x):
+      ...         return self.fc(x)
+      >>> model = mpjax.flax.wrap(Net(nnx.Rngs(0)), mpjax.Policy.from_level("O0"))
+      >>> seen = []
+      >>> @contextlib.contextmanager
+      ... def scope(path):
+      ...     seen.append(path)
+      ...     yield
+      >>> with mpjax.flax.module_scopes(scope):
+      ...     _ = model(jnp.ones((1, 2)))
+      >>> seen
+      ['', 'fc']
+    """
+    token = _MODULE_SCOPES.set((*_MODULE_SCOPES.get(), scope))
+    try:
+        yield
+    finally:
+        _MODULE_SCOPES.reset(token)
+
+
+@contextlib.contextmanager
+def _path_scopes(model: nnx.Module, scope: Callable[[str], Any]) -> Iterator[None]:
+    # As _nnx_markers: a string attribute is static, so it survives the split/merge of NNX
+    # transforms; the classes' __call__ are patched for the duration of the trace.
+    by_id: dict[int, str] = {}
+    classes: set[type] = set()
+    for path, sub in _iter_modules(model):
+        p = "/".join(str(x) for x in path)
+        if _holds_marks(sub):
+            setattr(sub, _PATH_ATTR, p)
+        else:
+            by_id[id(sub)] = p
+        classes.add(type(sub))
+    originals: dict[type, Any] = {}
+    for cls in classes:
+        call = _find_call(cls)
+        if call is None:
+            continue
+        originals[cls] = cls.__dict__.get("__call__")
+
+        def with_path(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
+            path = getattr(self, _PATH_ATTR, None)
+            path = by_id.get(id(self)) if path is None else path
+            if path is None:
+                return __call(self, *a, **k)
+            with scope(path):
+                return __call(self, *a, **k)
+
+        cls.__call__ = with_path  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -596,7 +685,7 @@ class TrainState(train_state.TrainState):
         state = super().create(
             apply_fn=apply_fn, params=params, tx=transform.loss_scale(tx, scale=scale), **kwargs
         )
-        if len(transform._find_states(state.opt_state)) > 1:
+        if len(transform.find_states(state.opt_state)) > 1:
             raise ValueError(
                 "TrainState.create wraps tx in mpjax.loss_scale itself, and this tx already "
                 "holds one; pass the bare optimizer (e.g. tx=optax.adamw(1e-3)) and the scale "
@@ -703,4 +792,11 @@ def value_and_grad(fun: Callable, optimizer: Any, *, has_aux: bool = False) -> C
     return wrapped
 
 
-__all__ = ["LinenWrapped", "NNXWrapped", "TrainState", "value_and_grad", "wrap"]
+__all__ = [
+    "LinenWrapped",
+    "NNXWrapped",
+    "TrainState",
+    "module_scopes",
+    "value_and_grad",
+    "wrap",
+]

@@ -20,8 +20,8 @@ from jax import lax
 from jax.extend.mlir import ir
 
 import mpjax
-from mpjax._src import audit as audit_module
-from mpjax._src import hardware
+from mpjax._src import audit_hlo, audit_report, audit_stablehlo, hardware
+from mpjax._src.autocast import UNTOUCHED_SCOPE
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import simplenet as benchmark  # noqa: E402
@@ -317,7 +317,7 @@ def test_alignment_advice():
 
 def test_untouched_scope_markers_are_read_from_op_locations():
     def f(a, x):
-        with jax.named_scope(f"{audit_module.UNTOUCHED_SCOPE}:igamma"):
+        with jax.named_scope(f"{UNTOUCHED_SCOPE}:igamma"):
             return lax.igamma(a, x @ x)
 
     report = mpjax.audit(f, jnp.full((8, 8), 2.0), jnp.ones((8, 8)))
@@ -379,7 +379,7 @@ def test_the_lowered_module_is_walked_never_read_as_text(monkeypatch):
 
     @jax.jit
     def layer(w, x):
-        with jax.named_scope(f"{audit_module.UNTOUCHED_SCOPE}:tanh"):
+        with jax.named_scope(f"{UNTOUCHED_SCOPE}:tanh"):
             return jnp.tanh(x @ w)
 
     def f(w, x):
@@ -441,8 +441,8 @@ module @hand_built {
 
 def test_walk_of_a_hand_built_module():
     context = jax.jit(lambda: 0.0).lower().compiler_ir("stablehlo").context  # JAX's dialects
-    found = audit_module._read_module(ir.Module.parse(HAND_BUILT, context))
-    dot = audit_module.MatmulOp(
+    found = audit_stablehlo.read_module(ir.Module.parse(HAND_BUILT, context))
+    dot = audit_report.MatmulOp(
         kind="dot_general",
         operand_dtypes=("bfloat16", "bfloat16"),
         result_dtype="bfloat16",
@@ -461,7 +461,7 @@ def test_walk_of_a_hand_built_module():
         ("log", "float16", (2,), None, "model.py:30"),  # a function no call reaches: read once
     ]
     assert found.untouched == ["igamma"]
-    assert found.collectives == [audit_module.Collective("all-reduce", ("float16",), "lowered")]
+    assert found.collectives == [audit_report.Collective("all-reduce", ("float16",), "lowered")]
 
 
 def test_static_leaves_are_baked_in_and_shape_structs_stand_for_arrays():
@@ -510,8 +510,8 @@ def test_a_jitted_function_is_lowered_by_its_own_jit():
     ],
 )
 def test_module_path_is_what_the_user_named_in_the_name_stack(name, path):
-    assert audit_module._module_path(name) == path
-    where = audit_module._where(name, "/site-packages/flax/linen/linear.py:287")
+    assert audit_report._module_path(name) == path
+    where = audit_report._where(name, "/site-packages/flax/linen/linear.py:287")
     assert where == (f"{path} (linear.py:287)" if path else "linear.py:287")
 
 
@@ -683,6 +683,6 @@ def test_gpu_library_gemms_are_read_from_optimized_hlo():
     # library gemm returns a tuple (the product and cuBLAS's workspace); the reader missed
     # every one of them, so the audit reported no gemms at all for this step.
     text = (pathlib.Path(__file__).parent / "data" / "h200_simplenet_o2_bf16.hlo.txt").read_text()
-    found, _ = audit_module._parse_compiled(text)
+    found, _ = audit_hlo.parse_compiled(text)
     # 9 forward gemms, 9 weight-gradient gemms, 8 input-gradient gemms (none for the input).
     assert found == [("__cublas$lt$matmul", ("bfloat16", "bfloat16"))] * 26

@@ -468,9 +468,9 @@ def test_every_primitive_of_this_jax_is_in_a_table_or_deliberately_untouched():
         ops.KNOWN_OPS
         | set(ops.UNTOUCHED_OPS)
         | rules.SHAPE_OPS
-        | rules._PASS_OPS
-        | rules._TRACED_DTYPE_OPS
-        | rules._DECISION_OPS
+        | rules.PASS_OPS
+        | rules.TRACED_DTYPE_OPS
+        | rules.DECISION_OPS
         | set(ac.INLINE_CALLS)
         | set(ac._SUBJAXPR_PARAMS)
     )

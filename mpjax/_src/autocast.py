@@ -14,9 +14,6 @@ import contextlib
 import contextvars
 import functools
 import gc
-import itertools
-import re
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -25,137 +22,45 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from mpjax._src import hardware, ops
+from mpjax._src import hardware, interpret, ops
 from mpjax._src import jax_compat as jc
+from mpjax._src.autocast_uses import Facts, analyze, while_facts
+from mpjax._src.dtypes import dtype_max, is_float_dtype
+from mpjax._src.islands import ISLAND, ISLAND_OPS, remat_islands
 from mpjax._src.policy import Policy
+from mpjax._src.regions import (
+    F32_REGION,
+    HALF_REGION,
+    MARKER,
+    REGIONS,
+)
 from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
-    _ELEMENTWISE,
-    _FILL_OPS,
-    _NONE,
-    _PASS_OPS,
-    _SCATTERS,
-    _STAT,
     CARRY_OPS,
+    ELEMENTWISE,
+    FILL_OPS,
+    NO_USE,
+    PASS_OPS,
     SHAPE_OPS,
+    Action,
     Flags,
-    _beyond,
-    _is_float,
-    _max,
-    _op_lists,
-    _size,
-    use_flags,
+    Hold,
+    beyond,
+    n_elements,
+    op_lists,
 )
 from mpjax._src.rules import target_dtype as _target_dtype
 
-_MARKER = re.compile(r"mpjax:([A-Za-z0-9_]+)")
-F32_REGION, HALF_REGION = "f32", "half"
 UNTOUCHED_SCOPE = "mpjax_untouched"
 
-# Calls inlined into the surrounding evaluation.
-INLINE_CALLS = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-}
-# Higher-order primitives rebuilt with autocast sub-jaxprs whose boundary dtypes are unchanged,
-# so custom differentiation rules and loop-carry types stay valid.
-_SUBJAXPR_PARAMS = {
-    "custom_jvp_call": ("call_jaxpr",),
-    "custom_vjp_call": ("call_jaxpr",),
-    "custom_vjp_call_jaxpr": ("fun_jaxpr",),  # JAX 0.6-0.7
-    "remat2": ("jaxpr",),
-    "checkpoint": ("jaxpr",),
-    "scan": ("jaxpr",),
-    "while": ("cond_jaxpr", "body_jaxpr"),
-    "cond": ("branches",),
-    "shard_map": ("jaxpr",),
-}
-# Custom-derivative calls: their rules (jvp, fwd, bwd) run under the policy too.
-_CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-# Float32 islands (see _Env.tag_island): the ops that extend one, the name its values carry,
-# and the remat policy that recomputes them for the backward pass instead of keeping them.
-ISLAND = "mpjax_float32_island"
-ISLAND_OPS = frozenset(
-    {"convert_element_type", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
-     "sin", "cos", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "abs", "neg", "sign", "square",
-     "integer_pow", "pow", "add", "add_any", "sub", "mul", "div", "max", "min", "select_n",
-     "clamp", "reduce_sum", "reduce_max", "reduce_min", "broadcast_in_dim", "reshape",
-     "squeeze", "expand_dims", "transpose", "stop_gradient"}
-)  # fmt: skip
+# Calls inlined into the surrounding evaluation; custom-derivative calls, whose rules (jvp,
+# fwd, bwd) run under the policy too; and the higher-order primitives rebuilt with autocast
+# sub-jaxprs whose boundary dtypes are unchanged, so custom differentiation rules and
+# loop-carry types stay valid (see mpjax._src.interpret for their layouts).
+INLINE_CALLS = interpret.INLINE_CALLS
+_CUSTOM_CALLS = frozenset(interpret.CUSTOM_CALLS)
+_SUBJAXPR_PARAMS = interpret.BODY_PARAMS
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
 _KNOWN_LIMIT = 1 << 16
-
-
-@contextlib.contextmanager
-def _scope(marker: str) -> Iterator[None]:
-    with jax.named_scope(f"mpjax:{marker}"):
-        yield
-
-
-class _Region:
-    """A region marker usable as ``with marker():``, ``@marker()`` and ``with marker:``.
-
-    The first two are the documented forms (as ``jax.named_scope``); the bare ``with
-    marker:`` is what people write from torch's ``with torch.autocast(...)``, and it works
-    the same rather than failing with "object does not support the context manager
-    protocol"."""
-
-    def __init__(self, marker: str, doc: str) -> None:
-        self._marker = marker
-        self._entered = threading.local()
-        self.__doc__ = doc
-
-    def __call__(self) -> contextlib.AbstractContextManager[None]:
-        return _scope(self._marker)
-
-    def __enter__(self) -> None:
-        scope = _scope(self._marker)
-        scope.__enter__()
-        self._entered.__dict__.setdefault("stack", []).append(scope)
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self._entered.stack.pop().__exit__(*exc)
-
-    def __repr__(self) -> str:
-        return f"mpjax.{'full' if self._marker == F32_REGION else 'half'}_precision"
-
-
-full_precision = _Region(
-    F32_REGION,
-    """Keeps a region in float32 under :func:`autocast` (torch's nested ``autocast(False)``).
-
-    Use as a context manager (``with mpjax.full_precision():``, or without the parentheses)
-    or a decorator (``@mpjax.full_precision()``). Outside autocast it changes nothing.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, mpjax
-      >>> def f(x):
-      ...     with mpjax.full_precision():
-      ...         return jnp.exp(x @ x)
-      >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
-      >>> mpjax.autocast(f, policy)(jnp.ones((2, 2))).dtype
-      dtype('float32')
-    """,
-)
-
-half_precision = _Region(
-    HALF_REGION,
-    """Forces a region into the policy's half dtype under :func:`autocast` (f32 list included).
-
-    Use as a context manager (``with mpjax.half_precision():``, or without the parentheses)
-    or a decorator (``@mpjax.half_precision()``).
-
-    Example:
-      >>> import jax.numpy as jnp, mpjax
-      >>> @mpjax.half_precision()
-      ... def g(x):
-      ...     return jnp.exp(x)
-      >>> policy = mpjax.Policy.from_level("O2", "bfloat16").with_output_dtype("bfloat16")
-      >>> mpjax.autocast(g, policy)(jnp.ones(2)).dtype
-      dtype(bfloat16)
-    """,
-)
 
 
 def _value(x: Any, v: Any) -> Any:
@@ -163,18 +68,22 @@ def _value(x: Any, v: Any) -> Any:
     return jc.literal_array(v) if isinstance(v, jc.Literal) else x
 
 
-def _cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = False) -> Any:
+def cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = False) -> Any:
     """One convert, as ``x.astype(dtype)``: a value that overflows `dtype` becomes inf, as in
     hand-written code and every peer, so loss scaling and find_nonfinite see it. `saturate`
     clamps finite values to `dtype`'s range first; only for values with no derivative path
     (see _Env._saturate), where the clamp costs no residual."""
     if getattr(x, "dtype", None) == dtype and not weak_type:
         return x
-    if TRACE_SALT.get() and not isinstance(x, jax.core.Tracer):
-        # Hook for mpjax.compare: a constant cast down stays a convert of its float32 value
-        # instead of folding into a half constant, so compare's float32 shadow keeps it.
+    if _SHADOW_CACHE.get() and not isinstance(x, jax.core.Tracer):
+        # See for_shadow: a constant cast down stays a convert of its float32 value.
         x = lax.optimization_barrier(x)
-    if saturate and _is_float(dtype) and _is_float(x.dtype) and _max(dtype) < _max(x.dtype):
+    if (
+        saturate
+        and is_float_dtype(dtype)
+        and is_float_dtype(x.dtype)
+        and dtype_max(dtype) < dtype_max(x.dtype)
+    ):
         x = _saturate(x, dtype)
     return jc.convert(x, np.dtype(dtype), weak_type)
 
@@ -183,161 +92,37 @@ def _saturate(x: Any, dtype: np.dtype) -> Any:
     """Clamps finite values to `dtype`'s range, so that a mask fill of finfo(float32).min
     stays finite (-inf - -inf would make NaN where float32 had a number). Infinities and NaN
     pass as they are. XLA fuses this into the convert."""
-    lim = lax.full_like(x, _max(dtype))
+    lim = lax.full_like(x, dtype_max(dtype))
     clamped = lax.max(lax.min(x, lim), lax.neg(lim))
     return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
 
 
-class _Context:
+class Context:
     """What the evaluation needs: the region policies by marker, the base policy, and a memo of
     the use analysis per sub-jaxpr."""
 
-    def __init__(self, policy: Policy, rules: Mapping[str, Policy]):
+    def __init__(
+        self, policy: Policy, regions: Mapping[str, Policy], rules: interpret.Rules | None = None
+    ):
         self.policy = policy
         self.by_marker = {
             F32_REGION: "f32",
             HALF_REGION: "half",
-            **rules,
+            **regions,
         }
         self.memo: dict[Any, Any] = {}
-        # Optional (eqn, operands, policy) -> result or None: runs an op itself instead of the
-        # rule (mpjax.fp8 runs dot_general in FP8 this way). None falls back to the rule.
-        self.eqn_hook: Callable[[Any, list[Any], Policy], Any] | None = None
-        # Optional (eqn, policy) -> (consts, xs, enter) or None, asked at each scan, remat and
-        # cond: extra operands for its bodies. `consts` join a scan's constants (a remat's or
-        # a cond's operands, each branch entered in turn), `xs` (leading axis: the length;
-        # scan only) its scanned inputs, and `enter(consts, rows)`, given their values inside
-        # the body, returns a context manager held while the body is evaluated. mpjax.fp8
-        # passes amax sinks into bodies this way: one row per iteration, so that scan's
-        # transpose stacks their cotangents, not sums.
-        self.body_hook: Callable[[Any, Policy], Any] | None = None
+        # The evaluation's rules by primitive (see RULES); mpjax.fp8 evaluates under an
+        # extension of them that runs dot_general in FP8 and passes scales into bodies.
+        self.rules: interpret.Rules = RULES if rules is None else rules
 
     def mode_for(self, inherited: Any, name_stack: str) -> Any:
-        markers = [m for m in _MARKER.findall(name_stack) if m in self.by_marker or m in _REGIONS]
+        markers = [m for m in MARKER.findall(name_stack) if m in self.by_marker or m in REGIONS]
         if not markers:
             return inherited
-        return self.by_marker.get(markers[-1]) or _REGIONS[markers[-1]]
+        return self.by_marker.get(markers[-1]) or REGIONS[markers[-1]]
 
 
-# Region keys made by region_key(): an enclosing interpreter that was not given the rules (a
-# function of a wrapped model under another autocast or under mpjax.fp8) still applies them.
-_REGIONS: dict[str, Policy] = {}
-_REGION_COUNT = itertools.count()
-
-
-def region_key(policy: Policy) -> str:
-    """A process-unique region key for `policy`, known to every autocast evaluation."""
-    key = f"r{next(_REGION_COUNT)}"
-    _REGIONS[key] = policy
-    return key
-
-
-class _Facts:
-    def __init__(self, decision: set[Any], f32only: set[Any], in_flags: tuple[Flags, ...]):
-        self.decision, self.f32only, self.in_flags = decision, f32only, in_flags
-
-    def flags(self, v: Any) -> Flags:
-        if isinstance(v, (jc.Literal, jc.DropVar)):
-            return _NONE
-        return (v in self.decision, v in self.f32only)
-
-
-def _analyze(ctx: _Context, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any) -> _Facts:
-    key = (id(jaxpr), out_flags, id(mode) if isinstance(mode, Policy) else mode)
-    if key in ctx.memo:
-        return ctx.memo[key][1]
-    decision: set[Any] = set()
-    used: set[Any] = set()
-    not_f32: set[Any] = set()
-
-    def use(v: Any, flags: Flags) -> None:
-        if isinstance(v, jc.Literal):
-            return
-        used.add(v)
-        if flags[0]:
-            decision.add(v)
-        if not flags[1]:
-            not_f32.add(v)
-
-    def flags_of(v: Any) -> Flags:
-        if isinstance(v, (jc.Literal, jc.DropVar)) or v not in used:
-            return _NONE
-        return (v in decision, v not in not_f32)
-
-    for v, f in zip(jaxpr.outvars, out_flags, strict=True):
-        use(v, f)
-    for eqn in reversed(jaxpr.eqns):
-        eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
-        outs = [v for v in eqn.outvars if not isinstance(v, jc.DropVar)]
-        fouts = [v for v in outs if _is_float(v.aval.dtype)]
-        out_dec = any(v in decision for v in fouts)
-        out_f32 = bool(fouts) and all(v in used and v not in not_f32 for v in fouts)
-        flags = _operand_flags(ctx, eqn, eqn_mode, out_dec, out_f32, flags_of)
-        for v, f in zip(eqn.invars, flags, strict=True):
-            use(v, f)
-    f32only = {v for v in used if v not in not_f32}
-    facts = _Facts(decision, f32only, tuple(flags_of(v) for v in jaxpr.invars))
-    ctx.memo[key] = (jaxpr, facts)  # the jaxpr is kept alive so that its id stays unique
-    return facts
-
-
-def _operand_flags(
-    ctx: _Context, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
-) -> list[Flags]:
-    name, n = eqn.primitive.name, len(eqn.invars)
-    inner = _call_jaxpr(eqn)
-    if inner is not None:  # a call: what its body does with each operand
-        out_flags = tuple(flags_of(v) for v in eqn.outvars)
-        return list(_analyze(ctx, inner.jaxpr, out_flags, mode).in_flags)
-    if name == "while":
-        cf, bf, decided = _while_facts(ctx, eqn, mode)
-        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        return [*cf[:cn], *bf[:bn], *[(i in decided, False) for i in range(n - cn - bn)]]
-    if name == "scan":  # a decision inside the body is a decision on the operand
-        body = eqn.params["jaxpr"]
-        bf = _analyze(ctx, body.jaxpr, (_NONE,) * len(body.jaxpr.outvars), mode).in_flags
-        return [(d, False) for d, _ in bf]
-    if name == "cond":
-        branch_flags = [
-            _analyze(ctx, b.jaxpr, (_NONE,) * len(b.jaxpr.outvars), mode).in_flags
-            for b in eqn.params["branches"]
-        ]
-        return [_NONE] + [(any(bf[i][0] for bf in branch_flags), False) for i in range(n - 1)]
-    if name in _SUBJAXPR_PARAMS or (
-        name not in _SCATTERS
-        and any(isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values())
-    ):
-        return [_NONE] * n
-    return use_flags(eqn, mode, out_dec, out_f32)
-
-
-def _call_jaxpr(eqn: Any) -> Any:
-    """The body of a call whose operands and results map one to one onto the body's."""
-    name = eqn.primitive.name
-    if name in INLINE_CALLS:
-        return eqn.params[INLINE_CALLS[name]]
-    if name in _CUSTOM_CALLS:
-        return eqn.params[_SUBJAXPR_PARAMS[name][0]]
-    return None
-
-
-def _while_facts(ctx: _Context, eqn: Any, mode: Any) -> tuple[Any, Any, frozenset[int]]:
-    """The carries a while loop's condition depends on (through any number of iterations)."""
-    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
-    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    ncarry = len(eqn.invars) - cn - bn
-    cf = _analyze(ctx, cond.jaxpr, ((True, False),), mode).in_flags
-    decided = frozenset(i for i in range(ncarry) if cf[cn + i][0])
-    while True:
-        out_flags = tuple((i in decided, False) for i in range(ncarry))
-        bf = _analyze(ctx, body.jaxpr, out_flags, mode).in_flags
-        grown = decided | {i for i in range(ncarry) if bf[bn + i][0]}
-        if grown == decided:
-            return cf, bf, decided
-        decided = grown
-
-
-def _scatter_update(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
+def scatter_update(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
     """A scatter's combiner (``update_jaxpr``: add, mul, min or max of two scalars) traced at
     `dtype`, which its lowering requires to match the operands'."""
     closed = jc.ClosedJaxpr(params["update_jaxpr"], list(params.get("update_consts", ())))
@@ -354,11 +139,11 @@ def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
     operands: half inputs, float32 accumulation and result), which is kept."""
     params = eqn.params
     if params.get("update_jaxpr") is not None and target is not None:
-        return {**params, **_scatter_update(params, np.dtype(target))}
+        return {**params, **scatter_update(params, np.dtype(target))}
     pref = params.get("preferred_element_type")
-    if pref is None or not _is_float(pref) or target is None:
+    if pref is None or not is_float_dtype(pref) or target is None:
         return params
-    widths = [np.dtype(v.aval.dtype).itemsize for v in eqn.invars if _is_float(v.aval.dtype)]
+    widths = [np.dtype(v.aval.dtype).itemsize for v in eqn.invars if is_float_dtype(v.aval.dtype)]
     if widths and np.dtype(pref).itemsize > max(widths):
         return params
     return {**params, "preferred_element_type": np.dtype(target)}
@@ -383,7 +168,7 @@ class _Env:
 
     def __init__(self) -> None:
         self.vals: dict[Any, Any] = {}
-        self.held: dict[Any, int] = {}  # values held in float32: _STAT or _GUARD
+        self.held: dict[Any, int] = {}  # values held in float32, by Hold kind
         self.static: set[Any] = set()
         self.known: dict[Any, np.ndarray] = {}
         self.index: set[Any] = set()  # decided values and floats made from integers
@@ -417,6 +202,36 @@ class _Env:
     def read(self, v: Any) -> Any:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
 
+    def write(self, eqn: Any, result: tuple[list[Any], list[int]]) -> None:
+        """Records an equation's results and what is known of them: held kinds, statics and
+        their values, inert, carried and moved values."""
+        outvals, holds = result
+        static = [self.is_static(v) for v in eqn.invars]
+        known = None
+        if all(static):
+            known = _known_outputs(eqn, [self.known_value(v) for v in eqn.invars])
+        inert = all(self.is_inert(v) for v in eqn.invars if is_float_dtype(v.aval.dtype))
+        carried = eqn.primitive.name in _CARRY_PASS and any(
+            self.is_carried(v) for v in eqn.invars if is_float_dtype(v.aval.dtype)
+        )
+        moved = eqn.primitive.name in SHAPE_OPS and not isinstance(eqn.invars[0], jc.Literal)
+        for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
+            if isinstance(v, jc.DropVar):
+                continue
+            self.vals[v] = x
+            if inert:
+                self.inert.add(v)
+            if carried and is_float_dtype(v.aval.dtype):
+                self.carried.add(v)
+            if moved and is_float_dtype(v.aval.dtype) and i == 0:
+                self.origin[v] = self.source(eqn.invars[0])
+            if holds[i]:
+                self.held[v] = holds[i]
+            if all(static):
+                self.static.add(v)
+                if known is not None:
+                    self.known[v] = known[i]
+
     def is_static(self, v: Any) -> bool:
         return isinstance(v, jc.Literal) or v in self.static
 
@@ -433,12 +248,12 @@ class _Env:
         sharding: Any = None,
     ) -> Any:
         """`v`'s value `x` cast to `dtype`. Where the op broadcasts it to `shape` (it grows)
-        and `wide_sums` (see _eval_eqn's wide_sums and wide_grads), it is broadcast in float32
+        and `wide_sums` (see _primitive_rule's wide_sums and wide_grads), it is broadcast in float32
         first, typed with `sharding`, that of the result it stands for (see
         jax_compat.typed_sharding): the broadcast's transpose, the gradient's sum, then runs in
         float32 (a bias's gradient), not in half."""
         if isinstance(v, jc.Literal):
-            return _cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
+            return cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
         wide = wide_sums and x.ndim == len(shape) and x.shape != shape
         wide = wide and np.dtype(dtype).itemsize < 4
         twin = self.twins.get((v, np.dtype(dtype)))
@@ -454,7 +269,7 @@ class _Env:
                 if x.dtype == dtype:
                     x = jc.convert(x, np.float32)
                 x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)), out_sharding=sharding)
-            self.casts[key] = _cast(x, dtype, saturate=self._saturate(v, dtype))
+            self.casts[key] = cast(x, dtype, saturate=self._saturate(v, dtype))
         return self.casts[key]
 
     def move(self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool) -> None:
@@ -472,7 +287,7 @@ class _Env:
         if isinstance(v, jc.Literal) or isinstance(out, jc.DropVar):
             return
         name = eqn.primitive.name
-        if wide_grads and name == "broadcast_in_dim" and _size(out) > _size(v):
+        if wide_grads and name == "broadcast_in_dim" and n_elements(out) > n_elements(v):
             return
         src = self.twins.get((v, half))
         plain = v not in self.static and not self.held_kind(v) and v not in self.carried
@@ -502,7 +317,7 @@ class _Env:
             a, b = b, a
         if isinstance(a, jc.Literal) or a not in self.lowered or isinstance(b, jc.Literal):
             return False
-        return _is_float(b.aval.dtype) and (_size(b) < _size(a) or b in self.spread)
+        return is_float_dtype(b.aval.dtype) and (n_elements(b) < n_elements(a) or b in self.spread)
 
     def held_kind(self, v: Any) -> int:
         return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
@@ -539,7 +354,7 @@ class _Env:
         elementwise op, a reduction or a move whose float operands are half values (cast up
         for it), island values, params or smaller than the result (a norm's statistics
         broadcast back), one at least a half or island value. In a remat region (see
-        _remat_islands) the backward pass recomputes it from those operands, so
+        remat_islands) the backward pass recomputes it from those operands, so
         what is kept is the half value the island started from: float32 forward values at the
         memory of the half program. Forward values are unchanged."""
         v = eqn.outvars[0]
@@ -548,17 +363,17 @@ class _Env:
             or len(eqn.outvars) != 1
             or isinstance(v, jc.DropVar)
             or not isinstance(out, jax.core.Tracer)
-            or not _is_float(out.dtype)
+            or not is_float_dtype(out.dtype)
             or np.dtype(out.dtype) != np.float32
         ):
             return out
         grows = False
         for u, x in zip(eqn.invars, invals, strict=True):
-            if isinstance(u, jc.Literal) or not _is_float(getattr(x, "dtype", np.int32)):
+            if isinstance(u, jc.Literal) or not is_float_dtype(getattr(x, "dtype", np.int32)):
                 continue
             if u in self.island or np.dtype(x.dtype).itemsize < 4:
                 grows = True
-            elif not (self.is_static(u) or self.is_param(u) or _size(u) < _size(v)):
+            elif not (self.is_static(u) or self.is_param(u) or n_elements(u) < n_elements(v)):
                 return out  # a float32 activation of its own: nothing to recompute from
         if not grows:
             return out
@@ -581,7 +396,7 @@ class _Env:
         """Whether a cast of `v` clamps: only an inert value not known to fit."""
         if not self.is_inert(v):
             return False
-        return _beyond(self.known_value(v), dtype)
+        return beyond(self.known_value(v), dtype)
 
     def saturate_fills(self, eqn: Any, invals: list[Any], half: np.dtype) -> list[Any]:
         """A fill op's known constants beyond `half`'s range, clamped to it in their own dtype:
@@ -591,9 +406,9 @@ class _Env:
         out = list(invals)
         for i, v in enumerate(eqn.invars):
             known = self.known_value(v)
-            if known is None or not _is_float(v.aval.dtype) or not _beyond(known, half):
+            if known is None or not is_float_dtype(v.aval.dtype) or not beyond(known, half):
                 continue
-            lim = _max(half)
+            lim = dtype_max(half)
             fill = np.where(np.isfinite(known), np.clip(known, -lim, lim), known)
             out[i] = jc.convert(np.asarray(fill, v.aval.dtype), v.aval.dtype, v.aval.weak_type)
         return out
@@ -616,7 +431,7 @@ def _known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
 
 
 def _eval_jaxpr(
-    ctx: _Context,
+    ctx: Context,
     jaxpr: Any,
     consts: list[Any],
     args: list[Any],
@@ -638,12 +453,12 @@ def _eval_jaxpr(
     `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
     a cached trace made elsewhere.
     """
-    facts = _analyze(ctx, jaxpr, out_flags or (_NONE,) * len(jaxpr.outvars), mode)
+    facts = analyze(ctx, jaxpr, out_flags or (NO_USE,) * len(jaxpr.outvars), mode)
     env = _Env()
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env.vals[v] = x
         env.static.add(v)
-        if not (isinstance(x, jax.core.Tracer) and _is_float(x.dtype)):
+        if not (isinstance(x, jax.core.Tracer) and is_float_dtype(x.dtype)):
             env.inert.add(v)  # a tracer of an enclosing trace may be differentiated
         if isinstance(x, (np.ndarray, np.generic)) or (
             isinstance(x, jax.Array)
@@ -655,7 +470,7 @@ def _eval_jaxpr(
     env.args.update(jaxpr.invars)
     for i, (v, x) in enumerate(zip(jaxpr.invars, args, strict=True)):
         env.vals[v] = x
-        if in_static[i] if in_static is not None else not _is_float(v.aval.dtype):
+        if in_static[i] if in_static is not None else not is_float_dtype(v.aval.dtype):
             env.static.add(v)
         if in_held is not None and in_held[i]:
             env.held[v] = in_held[i]
@@ -665,63 +480,40 @@ def _eval_jaxpr(
             env.inert.add(v)
         if in_marks is not None:
             env.mark(v, in_marks[i])
-    for eqn in jaxpr.eqns:
+
+    def step(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[int]]:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
-        invals = [env.read(v) for v in eqn.invars]
-        static = [env.is_static(v) for v in eqn.invars]
         tb = traceback if traceback is not None else eqn.source_info.traceback
-        if traceback is not None and TRACE_SALT.get() and jc.summarize_source(eqn.source_info):
-            tb = eqn.source_info.traceback  # mpjax.compare names a body equation's own line
+        if traceback is not None and _SHADOW_CACHE.get() and jc.summarize_source(eqn.source_info):
+            tb = eqn.source_info.traceback  # see for_shadow: a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
-                outvals, holds = _eval_eqn(ctx, eqn, invals, env, facts, eqn_mode, tb)
+                outvals, holds = ctx.rules(eqn)(ctx, eqn, invals, env, facts, eqn_mode, tb)
                 # A region's mode is a string ("f32": a norm under the Flax wrappers).
                 if len(outvals) == 1 and (not isinstance(eqn_mode, Policy) or eqn_mode.half):
                     outvals[0] = env.tag_island(eqn, invals, outvals[0])
-        known = None
-        if all(static):
-            known = _known_outputs(eqn, [env.known_value(v) for v in eqn.invars])
-        inert = all(env.is_inert(v) for v in eqn.invars if _is_float(v.aval.dtype))
-        carried = eqn.primitive.name in _CARRY_PASS and any(
-            env.is_carried(v) for v in eqn.invars if _is_float(v.aval.dtype)
-        )
-        moved = eqn.primitive.name in SHAPE_OPS and not isinstance(eqn.invars[0], jc.Literal)
-        for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
-            if isinstance(v, jc.DropVar):
-                continue
-            env.vals[v] = x
-            if inert:
-                env.inert.add(v)
-            if carried and _is_float(v.aval.dtype):
-                env.carried.add(v)
-            if moved and _is_float(v.aval.dtype) and i == 0:
-                env.origin[v] = env.source(eqn.invars[0])
-            if holds[i]:
-                env.held[v] = holds[i]
-            if all(static):
-                env.static.add(v)
-                if known is not None:
-                    env.known[v] = known[i]
-    outs = [env.read(v) for v in jaxpr.outvars]
+        return outvals, holds
+
+    outs = interpret.forward(jaxpr, env, step)
     return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.marks(v) for v in jaxpr.outvars]
 
 
 # Ops whose result is still the loop's carry when an operand is: updates and moves.
-_CARRY_PASS = CARRY_OPS | SHAPE_OPS | _PASS_OPS | {"convert_element_type"}
+_CARRY_PASS = CARRY_OPS | SHAPE_OPS | PASS_OPS | {"convert_element_type"}
 
 
 def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
     out = []
     for x, aval in zip(vals, avals, strict=True):
-        if hasattr(x, "dtype") and _is_float(x.dtype) and x.dtype != aval.dtype:
-            x = _cast(x, aval.dtype, getattr(aval, "weak_type", False))
+        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and x.dtype != aval.dtype:
+            x = cast(x, aval.dtype, getattr(aval, "weak_type", False))
         out.append(x)
     return out
 
 
 def _rebuild_closed(
-    ctx: _Context,
+    ctx: Context,
     closed: Any,
     mode: Any,
     flags: tuple[list[bool], list[int], tuple[Flags, ...] | None],
@@ -734,7 +526,7 @@ def _rebuild_closed(
 
 
 def _body_evaluator(
-    ctx: _Context, closed: Any, mode: Any, flags: Any, traceback: Any
+    ctx: Context, closed: Any, mode: Any, flags: Any, traceback: Any
 ) -> Callable[[list[Any]], list[Any]]:
     """Evaluates a sub-jaxpr under the policy and casts its outputs back to their traced dtypes
     (loop carries and custom rules need their boundary types unchanged)."""
@@ -761,242 +553,15 @@ def _body_evaluator(
 def _trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None) -> Any:
     """`body` traced at `avals` under autocast, its float32 islands made remat regions."""
     try:
-        return _remat_islands(jc.trace(body, avals, context), context)
+        return remat_islands(jc.trace(body, avals, context), context)
     except (ImportError, AttributeError) as e:  # JAX internals moved
         raise _CannotRebuild(str(e)) from None
-
-
-# Ops that make a constant array from literals or constants (see _remat_islands).
-_CONST_MAKERS = frozenset(
-    {"broadcast_in_dim", "convert_element_type", "reshape", "iota", "squeeze", "expand_dims"}
-)
-
-
-def _is_half_cast(eqn: Any, up: bool) -> bool:
-    """Whether `eqn` casts a half value to float32 (`up`), or float32 to a half."""
-    if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jc.Literal):
-        return False
-    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
-    if up:
-        src, dst = dst, src
-    return _is_float(src) and _is_float(dst) and src == np.float32 and dst.itemsize == 2
-
-
-def _remat_islands(closed: Any, context: Any = None) -> Any:
-    """`closed` with each run of float32-island equations (see _Env.tag_island: the ops whose
-    results are named ISLAND, and those names) under ``jax.checkpoint`` that saves nothing
-    inside: the backward pass recomputes the island from the half values it started from
-    instead of keeping its float32 values, as `jax.checkpoint` does for a region. Forward
-    values are unchanged; the names are dropped. `closed` itself if it has no island."""
-    eqns = closed.jaxpr.eqns
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-    marked: set[int] = set()
-    for i, e in enumerate(eqns):
-        if e.primitive.name == "name" and e.params.get("name") == ISLAND:
-            marked.add(i)
-            u = e.invars[0]
-            if not isinstance(u, jc.Literal) and u in producer:
-                marked.add(producer[u])
-    for i in sorted(marked):  # and the casts up of half values autocast made for them
-        for u in eqns[i].invars:
-            k = producer.get(u) if not isinstance(u, jc.Literal) else None
-            if k is not None and _is_half_cast(eqns[k], up=True):
-                marked.add(k)
-    for i, e in enumerate(eqns):  # and the casts down where the island ends
-        u = e.invars[0] if e.invars else None
-        if _is_half_cast(e, up=False) and producer.get(u) in marked:
-            marked.add(i)
-    if not marked or closed.effects:
-        return closed
-    # Constants made in the program (a mask's fill broadcast to the scores' shape): a region
-    # that reads one makes it again inside, so that it is not kept as a residual.
-    consts = set(closed.jaxpr.constvars)
-    made: set[int] = set()
-    for i, e in enumerate(eqns):
-        if e.primitive.name in _CONST_MAKERS and all(
-            isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
-        ):
-            made.add(i)
-    # The plan: equations in order, each alone or in a region (a list). A region takes marked
-    # equations; an unmarked one between them that reads none of the region's values (a
-    # reshape of a norm's scale) moves before it, one that does (a running average of a
-    # batch statistic) moves after it, unless a later marked one reads it: the region ends
-    # there. So one island is one region.
-    plan: list[Any] = []
-    i = 0
-    while i < len(eqns):
-        if i not in marked:
-            plan.append(i)
-            i += 1
-            continue
-        region: list[int] = []
-        before: list[int] = []
-        after: list[int] = []
-        pending: list[int] = []
-        defined: set[Any] = set()  # the region's values
-        later: set[Any] = set()  # values of equations that move after it
-        k = i
-        while k < len(eqns):
-            e = eqns[k]
-            reads = {v for v in e.invars if not isinstance(v, jc.Literal)}
-            if k in marked:
-                if reads & later:
-                    break
-                region.append(k)
-                defined.update(e.outvars)
-                before += [j for j in pending if j not in after]
-                pending = []
-            else:
-                pending.append(k)
-                if reads & (defined | later):
-                    after.append(k)
-                    later.update(e.outvars)
-            k += 1
-        done = set(region) | set(before)
-        plan += before
-        plan.append(region)
-        plan += [j for j in range(i, k) if j not in done]
-        i = k
-    last_use: dict[Any, int] = {}  # by position in the plan
-    for pos, step in enumerate(plan):
-        for k in step if isinstance(step, list) else [step]:
-            for v in eqns[k].invars:
-                if not isinstance(v, jc.Literal):
-                    last_use[v] = pos
-    for v in closed.jaxpr.outvars:
-        if not isinstance(v, jc.Literal):
-            last_use[v] = len(plan)
-
-    # Each region's equations (the constants it makes again first), inputs and outputs.
-    regions: dict[int, tuple[list[Any], list[Any], list[Any]]] = {}
-    for pos, step in enumerate(plan):
-        if not isinstance(step, list):
-            continue
-        makers: set[int] = set()
-        todo = [u for k in step for u in eqns[k].invars]
-        while todo:
-            u = todo.pop()
-            k = producer.get(u) if not isinstance(u, jc.Literal) else None
-            if k in made and k not in makers and k not in step:
-                makers.add(k)
-                todo += eqns[k].invars
-        run = [eqns[k] for k in sorted(makers)] + [eqns[k] for k in step]
-        defined = {v for e in run for v in e.outvars}
-        ins = list(
-            dict.fromkeys(
-                v
-                for e in run
-                for v in e.invars
-                if not isinstance(v, jc.Literal) and v not in defined
-            )
-        )
-        outs = [v for k in step for v in eqns[k].outvars if last_use.get(v, -1) > pos]
-        regions[pos] = (run, ins, outs)
-
-    def bind(eqn: Any, env: dict[Any, Any], name_stack: Any = None) -> None:
-        vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
-        if eqn.primitive.name == "name" and eqn.params.get("name") == ISLAND:
-            env[eqn.outvars[0]] = vals[0]
-            return
-        own = eqn.source_info.name_stack if name_stack is None else name_stack
-        stack = jc.current_name_stack() + own
-        with jc.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
-            out = jc.bind(eqn.primitive, vals, eqn.params)
-        outs = out if eqn.primitive.multiple_results else [out]
-        env.update(zip(eqn.outvars, outs, strict=True))
-
-    def remat_region(
-        run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]
-    ) -> Callable[..., Any]:
-        def f(*vals: Any) -> list[Any]:
-            env = dict(zip(ins, vals, strict=True))
-            for eqn, stack in zip(run, stacks, strict=True):
-                bind(eqn, env, stack)
-            return [env[v] for v in outs]
-
-        return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
-
-    # The same island in every layer of a model (a norm, a softmax) is one function: JAX
-    # traces a checkpointed function once per input types and caches its derivatives by
-    # jaxpr, so differentiating a program pays for each distinct island once, not per layer
-    # (measured: a third of an 8-layer GPT's trace time went to its 25 islands).
-    functions: dict[Any, Callable[..., Any]] = {}
-
-    def region_function(pos: int) -> tuple[Callable[..., Any], Any]:
-        run, ins, outs = regions[pos]
-        # The region runs under its ops' common name stack (the island's module), and each op
-        # under its own name within it. The casts at its borders that autocast made for the
-        # next op (a Dense's bfloat16 input) run under the island's name, so that the same
-        # island before different modules is still one function.
-        own = [e for e in run if not (_is_half_cast(e, up=True) or _is_half_cast(e, up=False))]
-        prefix = jc.common_name_stack([e.source_info.name_stack for e in own or run])
-        stacks = [jc.relative_name_stack(e.source_info.name_stack, prefix) for e in run]
-        key = _region_key(run, ins, outs, stacks)
-        fn = functions.get(key) if key is not None else None
-        if fn is None:
-            fn = remat_region(run, ins, outs, stacks)
-            if key is not None:
-                functions[key] = fn
-        return fn, prefix
-
-    def evaluate(*args: Any) -> list[Any]:
-        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(closed.jaxpr.invars, args, strict=True))
-        for pos, step in enumerate(plan):
-            if pos not in regions:
-                bind(eqns[step], env)
-                continue
-            run, ins, outs = regions[pos]
-            fn, prefix = region_function(pos)
-            stack = jc.current_name_stack() + prefix
-            with jc.user_context(run[0].source_info.traceback, name_stack=stack):
-                env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
-        return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
-
-    return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
-
-
-def _region_key(run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]) -> Any:
-    """What a region computes, up to its variables' names: equal keys bind the same ops with
-    the same params, types, contexts and relative name stacks on the same dataflow. None when
-    a param cannot be hashed (the region is then its own function). A context is compared by
-    its fields (older JAX compares JaxprEqnContext by identity)."""
-    local: dict[Any, Any] = {v: ("in", i) for i, v in enumerate(ins)}
-
-    def ref(v: Any) -> Any:
-        if isinstance(v, jc.Literal):
-            val = np.asarray(v.val)
-            return ("lit", v.aval, val.dtype.str, val.tobytes())
-        return local[v]
-
-    parts = []
-    for eqn, stack in zip(run, stacks, strict=True):
-        params = tuple(sorted(eqn.params.items()))
-        reads = tuple(ref(v) for v in eqn.invars)
-        for v in eqn.outvars:
-            local[v] = ("v", len(local))
-        parts.append(
-            (
-                eqn.primitive,
-                params,
-                reads,
-                tuple(v.aval for v in eqn.outvars),
-                repr(eqn.ctx),
-                str(stack),
-            )
-        )
-    key = (tuple(v.aval for v in ins), tuple(parts), tuple(local[v] for v in outs))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
 
 
 _CannotRebuild = jc.CannotRebuild
 
 
-def _rebuild_param(ctx: _Context, value: Any, mode: Any, flags: Any, context: Any, tb: Any) -> Any:
+def _rebuild_param(ctx: Context, value: Any, mode: Any, flags: Any, context: Any, tb: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_rebuild_param(ctx, v, mode, flags, context, tb) for v in value)
     if isinstance(value, jc.ClosedJaxpr):
@@ -1017,37 +582,46 @@ def _sub_flags(
     static: list[bool],
     held: list[int],
     carried: list[bool],
-    facts: _Facts,
-    ctx: _Context,
+    facts: Facts,
+    ctx: Context,
     mode: Any,
 ) -> tuple[list[bool], list[int], tuple[Flags, ...] | None, list[bool]]:
     """What is known about a sub-jaxpr's inputs (static, held, carried) and its outputs' uses.
 
     A loop's carries are carried values in its body; a remat, cond or custom-rule body sees
     the facts of the operands it is called with (a scan over remat'ed layers adds inside)."""
-    name, p = eqn.primitive.name, eqn.params
+    name = eqn.primitive.name
     n = len(eqn.invars)
-    if name in _CUSTOM_CALLS or name in ("remat2", "checkpoint"):
+    if name in _CUSTOM_CALLS or name in interpret.REMATS:
         return static, held, tuple(facts.flags(v) for v in eqn.outvars), carried
     if name == "cond":
-        return static[1:], held[1:], tuple(facts.flags(v) for v in eqn.outvars), carried[1:]
+        _, branch_static = interpret.cond_parts(eqn, static)
+        _, branch_held = interpret.cond_parts(eqn, held)
+        _, branch_carried = interpret.cond_parts(eqn, carried)
+        return (
+            branch_static,
+            branch_held,
+            tuple(facts.flags(v) for v in eqn.outvars),
+            branch_carried,
+        )
     if name == "scan":
-        k, nc = p["num_consts"], p["num_carry"]
-        loop = [False] * k + [True] * nc + [False] * (n - k - nc)
-        return static[:k] + [False] * (n - k), held[:k] + [False] * (n - k), None, loop
+        consts, carry, xs = interpret.scan_parts(eqn, range(n))
+        k, rest = len(consts), n - len(consts)
+        loop = [False] * k + [True] * len(carry) + [False] * len(xs)
+        return static[:k] + [False] * rest, held[:k] + [False] * rest, None, loop
     if name == "while":
-        cn, bn = p["cond_nconsts"], p["body_nconsts"]
-        nc = n - cn - bn
+        cconsts, bconsts, carry = interpret.while_parts(eqn, range(n))
+        cn, bn, nc = len(cconsts), len(bconsts), len(carry)
         if key == "cond_jaxpr":
             return static[:cn] + [False] * nc, held[:cn] + [False] * nc, None, [False] * (cn + nc)
-        _, _, decided = _while_facts(ctx, eqn, mode)
-        out_flags = tuple((i in decided, False) for i in range(nc))
+        _, _, decided = while_facts(ctx, eqn, mode)
+        out_flags = tuple(Flags(i in decided, False) for i in range(nc))
         body_static = static[cn : cn + bn] + [False] * nc
         return body_static, held[cn : cn + bn] + [False] * nc, out_flags, [False] * bn + [True] * nc
     return [False] * n, [False] * n, None, [False] * n
 
 
-def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], Any]:
+def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], Any]:
     """Makes a custom-derivative rule (jvp, fwd, bwd) run under the policy, with its traced
     dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
 
@@ -1056,7 +630,7 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
             # Symbolic zeros (custom_jvp(symbolic_zeros=True), custom_vjp's fwd, equinox's
             # filter_custom_jvp/vjp, diffrax's adjoints) pass through as static values, in and
             # out; only arrays are traced and evaluated under the policy.
-            dynamic = _dynamic(args)
+            dynamic = dynamic_leaves(args)
             passed: list[Any] = []
 
             def flat(*dyn: Any) -> Any:
@@ -1097,15 +671,16 @@ def _rule_wrapper(ctx: _Context, mode: Any, held: list[int]) -> Callable[[Any], 
     return wrap
 
 
-_BODY_OPERAND_OPS = frozenset({"scan", "remat2", "checkpoint", "cond"})
-
-
 def _bind_with_operands(
-    ctx: _Context, eqn: Any, invals: list[Any], mode: Any, flags: Any, tb: Any, extra: Any
+    ctx: Context, eqn: Any, invals: list[Any], mode: Any, flags: Any, tb: Any, extra: Any
 ) -> Any:
-    """Binds a scan, remat or cond whose rebuilt bodies also take the operands `extra` gives
-    (see _Context.body_hook): constants after the scan's own (at the end of a remat's or a
-    cond's operands), scanned inputs after the scan's own."""
+    """Binds a scan, remat or cond whose rebuilt bodies also take the operands `extra` gives:
+    (consts, xs, enter). `consts` join a scan's constants (at the end of a remat's or a
+    cond's operands, each branch entered in turn), `xs` (leading axis: the length; scan only)
+    its scanned inputs, and `enter(consts, rows)`, given their values inside the body,
+    returns a context manager held while the body is evaluated. mpjax.fp8 passes amax sinks
+    into bodies this way: one row per iteration, so that scan's transpose stacks their
+    cotangents, not sums."""
     consts, xs, enter = extra
     p = dict(eqn.params)
     name = eqn.primitive.name
@@ -1128,7 +703,7 @@ def _bind_with_operands(
         return jc.bind(eqn.primitive, args + list(consts), p)
     scan = name == "scan"
     closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
-    nc = p["num_consts"] if scan else n
+    nc = len(interpret.scan_parts(eqn, eqn.invars)[0]) if scan else n
     evaluate = _body_evaluator(ctx, closed, mode, flags, tb)
 
     def body(*a: Any) -> list[Any]:
@@ -1153,13 +728,13 @@ def _bind_with_operands(
 
 
 def _eval_call(
-    ctx: _Context,
+    ctx: Context,
     jaxpr: Any,
     consts: list[Any],
     invals: list[Any],
     eqn: Any,
     env: _Env,
-    facts: _Facts,
+    facts: Facts,
     mode: Any,
     tb: Any,
 ) -> tuple[list[Any], list[int], list[Marks]]:
@@ -1183,11 +758,11 @@ def _eval_call(
 
 
 def _eval_remat(
-    ctx: _Context,
+    ctx: Context,
     eqn: Any,
     invals: list[Any],
     env: _Env,
-    facts: _Facts,
+    facts: Facts,
     mode: Any,
     tb: Any,
 ) -> tuple[list[Any], list[int]]:
@@ -1226,8 +801,42 @@ def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
         return jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
 
 
-def _eval_eqn(
-    ctx: _Context, eqn: Any, invals: list[Any], env: _Env, facts: _Facts, mode: Any, tb: Any
+# -- the evaluation's rules --------------------------------------------------------------------
+#
+# Each rule evaluates one equation under the policy: (ctx, eqn, operand values, env, facts,
+# mode, traceback) -> (result values, held kinds). Calls are inlined; user remats, loops,
+# conds, custom-derivative calls and shard_map are rebuilt with autocast bodies; a higher-order
+# primitive autocast does not know runs as traced; every other equation follows the dtype
+# rule (_primitive_rule). mpjax.fp8 extends these rules (see Context.rules).
+RULES = interpret.Rules()
+
+
+@RULES.register(*INLINE_CALLS)
+def _inline_rule(
+    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    closed = interpret.call_body(eqn, INLINE_CALLS)
+    outs, holds, marks = _eval_call(
+        ctx, closed.jaxpr, list(closed.consts), invals, eqn, env, facts, mode, tb
+    )
+    # What the call's body learnt (an index made inside jnp.clip, the carry updated inside a
+    # jitted step) holds for its results here too.
+    env.mark_results(eqn, marks)
+    return outs, holds
+
+
+@RULES.register(*interpret.REMATS)
+def _remat_rule(
+    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    if not eqn.params.get("differentiated", True):
+        return _eval_remat(ctx, eqn, invals, env, facts, mode, tb)
+    return _rebuild_rule(ctx, eqn, invals, env, facts, mode, tb)
+
+
+@RULES.register(*_CUSTOM_CALLS, "scan", "while", "cond", "shard_map")
+def _rebuild_rule(
+    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     name = eqn.primitive.name
     nout = len(eqn.outvars)
@@ -1235,63 +844,75 @@ def _eval_eqn(
     static = [env.is_static(v) for v in eqn.invars]
     held = [env.held_kind(v) for v in eqn.invars]
     carried = [env.is_carried(v) for v in eqn.invars]
-    if name in INLINE_CALLS:
-        closed = eqn.params[INLINE_CALLS[name]]
-        outs, holds, marks = _eval_call(
-            ctx, closed.jaxpr, list(closed.consts), invals, eqn, env, facts, mode, tb
-        )
-        # What the call's body learnt (an index made inside jnp.clip, the carry updated inside
-        # a jitted step) holds for its results here too.
-        env.mark_results(eqn, marks)
-        return outs, holds
-    if name in _BODY_OPERAND_OPS and ctx.body_hook is not None and isinstance(mode, Policy):
-        extra = ctx.body_hook(eqn, mode)  # see _Context.body_hook
-        if extra is not None:
-            key = "branches" if name == "cond" else "jaxpr"
+    try:
+        params = dict(eqn.params)
+        for key in _SUBJAXPR_PARAMS[name]:
+            context = jc.shard_map_context(params) if name == "shard_map" else None
             flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
-            try:
-                out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
-                return list(out), [False] * nout
-            except _CannotRebuild:
-                pass  # the generic path below: runs as traced (scan) or inlined (remat)
-    if name in ("remat2", "checkpoint") and not eqn.params.get("differentiated", True):
-        return _eval_remat(ctx, eqn, invals, env, facts, mode, tb)
-    if name in _SUBJAXPR_PARAMS:
-        try:
-            params = dict(eqn.params)
-            for key in _SUBJAXPR_PARAMS[name]:
-                context = jc.shard_map_context(params) if name == "shard_map" else None
-                flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
-                params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
-            wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
-            args = _to_traced(invals, [v.aval for v in eqn.invars])
-            out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
-            return (list(out) if multiple else [out]), [False] * nout
-        except _CannotRebuild:
-            if name in ("remat2", "checkpoint"):  # lose the remat, keep the precision
-                outs, holds, _ = _eval_jaxpr(
-                    ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb
-                )
-                return outs, holds
-            out = _bind_untouched(eqn, invals)
-            return (list(out) if multiple else [out]), [False] * nout
-    if name not in _SCATTERS and any(
-        isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values()
-    ):
-        out = _bind_untouched(eqn, invals)  # a higher-order primitive we do not know
+            params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
+        wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
+        args = _to_traced(invals, [v.aval for v in eqn.invars])
+        out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
         return (list(out) if multiple else [out]), [False] * nout
+    except _CannotRebuild:
+        if name in interpret.REMATS:  # lose the remat, keep the precision
+            outs, holds, _ = _eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
+            return outs, holds
+        return _untouched_rule(ctx, eqn, invals, env, facts, mode, tb)
 
-    if ctx.eqn_hook is not None and isinstance(mode, Policy):  # see _Context.eqn_hook
-        hooked = ctx.eqn_hook(eqn, invals, mode)
-        if hooked is not None:
-            return (list(hooked) if multiple else [hooked]), [False] * nout
-    if name in _FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
+
+@RULES.set_higher_order
+def _untouched_rule(
+    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A higher-order primitive autocast does not know (or cannot rebuild): as traced."""
+    out = _bind_untouched(eqn, invals)
+    return (list(out) if eqn.primitive.multiple_results else [out]), [False] * len(eqn.outvars)
+
+
+def bind_with_bodies(
+    ctx: Context,
+    eqn: Any,
+    invals: list[Any],
+    env: _Env,
+    facts: Facts,
+    mode: Any,
+    tb: Any,
+    extra: Any,
+) -> tuple[list[Any], list[int]] | None:
+    """A scan, remat or cond whose rebuilt bodies also take the operands `extra` gives (see
+    _bind_with_operands; mpjax.fp8's rules pass FP8 scales into bodies this way), or None
+    where the bodies cannot be rebuilt (the rules in force then run it as usual)."""
+    key = "branches" if eqn.primitive.name == "cond" else "jaxpr"
+    static = [env.is_static(v) for v in eqn.invars]
+    held = [env.held_kind(v) for v in eqn.invars]
+    carried = [env.is_carried(v) for v in eqn.invars]
+    flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
+    try:
+        out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
+    except _CannotRebuild:
+        return None
+    return list(out), [False] * len(eqn.outvars)
+
+
+@RULES.set_default
+def _primitive_rule(
+    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A first-order equation under the dtype rule (rules.target_dtype)."""
+    name = eqn.primitive.name
+    nout = len(eqn.outvars)
+    multiple = eqn.primitive.multiple_results
+    static = [env.is_static(v) for v in eqn.invars]
+    held = [env.held_kind(v) for v in eqn.invars]
+    carried = [env.is_carried(v) for v in eqn.invars]
+    if name in FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
         invals = env.saturate_fills(eqn, invals, mode.compute_dtype)
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
     known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
     index = [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars]
     out_flags = [facts.flags(v) for v in eqn.outvars]
-    target, hold = _target_dtype(
+    decision = _target_dtype(
         name,
         eqn,
         vals,
@@ -1303,11 +924,12 @@ def _eval_eqn(
         known,
         out_flags,
         bias_add=name == "add" and env.is_bias_add(eqn),
-        feeds=[facts.flags(v)[0] or facts.flags(env.source(v))[0] for v in eqn.invars],
+        feeds=[facts.flags(v).decides or facts.flags(env.source(v)).decides for v in eqn.invars],
         carried=carried,
     )
-    if target == "traced" or (
-        name == "convert_element_type" and not _is_float(eqn.invars[0].aval.dtype)
+    target, hold = decision.dtype, decision.hold
+    if decision.action is Action.TRACED or (
+        name == "convert_element_type" and not is_float_dtype(eqn.invars[0].aval.dtype)
     ):
         env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
     # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
@@ -1323,13 +945,14 @@ def _eval_eqn(
         and mode.gradient_dtype.itemsize >= 4
     )
     param = bool(eqn.invars) and env.is_param(eqn.invars[0])
-    if target is None and (wide_sums or (wide_grads and param)) and _grows_half(eqn, invals):
+    keep = decision.action is Action.KEEP
+    if keep and (wide_sums or (wide_grads and param)) and _grows_half(eqn, invals):
         # A broadcast that grows a half value: its transpose sums the cotangent over the new
         # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
         # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
         x = jc.convert(invals[0], np.float32)
         out = jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
-    elif target is None:
+    elif keep:
         out = jc.bind(eqn.primitive, invals, eqn.params)
         if name in _MOVES and isinstance(mode, Policy) and mode.half and mode.level != "O0":
             half = np.dtype(mode.compute_dtype)
@@ -1338,25 +961,25 @@ def _eval_eqn(
             # model): the rows are looked up in half even where a float32 op (a norm) takes
             # them, so the lookup, and the collectives on it, move half bytes. Rows a
             # comparison reads (a decision) keep float32.
-            decides = facts.flags(eqn.outvars[0])[0]
+            decides = facts.flags(eqn.outvars[0]).decides
             if name == "gather" and mode.level in ("O2", "O3") and param and not decides:
                 twin = env.twins.get((eqn.outvars[0], half))
                 if twin is not None:
                     # Rows of half values, cast up: a float32 island starts here (a norm).
                     env.island.add(eqn.outvars[0])
                     out = checkpoint_name(jc.convert(twin, out.dtype), ISLAND)
-    elif target == "untouched":
+    elif decision.action is Action.UNTOUCHED:
         out = _bind_untouched(eqn, invals)
-    elif target == "traced":
+    elif decision.action is Action.TRACED:
         out = jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
     elif name == "convert_element_type":
         src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
-        if src == dst and _is_float(dst):  # a weak-type change only: keep the current dtype
+        if src == dst and is_float_dtype(dst):  # a weak-type change only: keep the current dtype
             return [invals[0]], [held[0]]
         out = jc.bind(eqn.primitive, invals, eqn.params)
-        hold = False
+        hold = Hold.NONE
     else:
-        out_shape = tuple(eqn.outvars[0].aval.shape) if name in _ELEMENTWISE else None
+        out_shape = tuple(eqn.outvars[0].aval.shape) if name in ELEMENTWISE else None
         sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
         cast_vals = [
             env.cast(
@@ -1369,7 +992,7 @@ def _eval_eqn(
                 else wide_sums or (wide_grads and env.is_param(v)),
                 sharding,
             )
-            if hasattr(x, "dtype") and _is_float(x.dtype) and _is_float(v.aval.dtype)
+            if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
             else raw
             for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
         ]
@@ -1378,7 +1001,7 @@ def _eval_eqn(
             wide_grads
             and name == "dot_general"
             and np.dtype(target).itemsize < 4
-            and _is_float(getattr(x, "dtype", np.int32))
+            and is_float_dtype(getattr(x, "dtype", np.int32))
             and not env.is_static(v)
             and env.is_param(v)
             for x, v in zip(vals, eqn.invars, strict=True)
@@ -1394,10 +1017,10 @@ def _eval_eqn(
         else:
             out = jc.bind(eqn.primitive, cast_vals, params)
         if params.get("preferred_element_type") not in (None, np.dtype(target)):
-            hold = _STAT  # a float32 result the program asked for stays float32, as a statistic
-        elif name in _op_lists(mode)[0]:
+            hold = Hold.STAT  # a float32 result the program asked for stays float32, as a statistic
+        elif name in op_lists(mode)[0]:
             env.lowered.update(eqn.outvars)
-    if name == "broadcast_in_dim" and _size(eqn.outvars[0]) > _size(eqn.invars[0]):
+    if name == "broadcast_in_dim" and n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
         env.spread.update(eqn.outvars)
     return (list(out) if multiple else [out]), [hold] * nout
 
@@ -1505,24 +1128,26 @@ def _dot_transpose_lhs(
 
 def _grows_half(eqn: Any, invals: list[Any]) -> bool:
     """Whether `eqn` broadcasts a half value to more elements."""
-    if eqn.primitive.name != "broadcast_in_dim" or _size(eqn.outvars[0]) <= _size(eqn.invars[0]):
+    if eqn.primitive.name != "broadcast_in_dim" or n_elements(eqn.outvars[0]) <= n_elements(
+        eqn.invars[0]
+    ):
         return False
     dtype = getattr(invals[0], "dtype", None)
-    return dtype is not None and _is_float(dtype) and np.dtype(dtype).itemsize < 4
+    return dtype is not None and is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def _is_value(x: Any) -> bool:
     """Whether a rule's output is a value to trace (not a symbolic zero or None)."""
-    return _is_dynamic(x) or isinstance(x, (int, float, complex))
+    return is_dynamic(x) or isinstance(x, (int, float, complex))
 
 
-def _is_dynamic(x: Any) -> bool:
+def is_dynamic(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def _dynamic(leaves: Any) -> list[int]:
+def dynamic_leaves(leaves: Any) -> list[int]:
     """The positions of the array leaves; the others are static (baked into the trace)."""
-    return [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    return [i for i, x in enumerate(leaves) if is_dynamic(x)]
 
 
 def _fill(leaves: Any, dynamic: list[int], dyn: Any) -> list[Any]:
@@ -1537,7 +1162,7 @@ def trace_call(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any
     """`fn(*args, **kwargs)` traced at its array leaves: (closed jaxpr, output tree, the array
     leaves to evaluate it on). Non-array leaves are baked in, as jax.jit's static arguments."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic = _dynamic(leaves)
+    dynamic = dynamic_leaves(leaves)
     return _trace_leaves(fn, leaves, treedef, dynamic) + ([leaves[i] for i in dynamic],)
 
 
@@ -1561,18 +1186,18 @@ def _trace_leaves(
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
-def evaluate(ctx: _Context, closed: Any, dyn: list[Any], cast_outputs: Any = True) -> list[Any]:
+def evaluate(ctx: Context, closed: Any, dyn: list[Any], cast_outputs: Any = True) -> list[Any]:
     """Evaluates a traced function under `ctx`'s policy; floating outputs in its output dtype
     (`cast_outputs` True), as computed (False), or, with one bool per output, those marked in
     the dtype the function itself returns (its float32 program's)."""
     outs, _, _ = _eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), ctx.policy)
     if isinstance(cast_outputs, (list, tuple)):
         return [
-            _cast(x, a.dtype) if keep and _is_float(x.dtype) and _is_float(a.dtype) else x
+            cast(x, a.dtype) if keep and is_float_dtype(x.dtype) and is_float_dtype(a.dtype) else x
             for x, a, keep in zip(outs, closed.out_avals, cast_outputs, strict=True)
         ]
     if cast_outputs:
-        outs = [_cast(x, ctx.policy.output_dtype) if _is_float(x.dtype) else x for x in outs]
+        outs = [cast(x, ctx.policy.output_dtype) if is_float_dtype(x.dtype) else x for x in outs]
     return outs
 
 
@@ -1639,7 +1264,7 @@ def autocast(
         )
     if not callable(fn):
         raise TypeError(f"autocast needs a function, got {type(fn).__name__}.")
-    module_kind = _flax_module_kind(fn)
+    module_kind = flax_module_kind(fn)
     if module_kind is not None:
         raise TypeError(
             f"autocast takes a function, got the Flax {module_kind} module "
@@ -1650,14 +1275,14 @@ def autocast(
     if policy.level == "O0" and not rules:
         return fn
     hardware.warn_if_slow(policy)
-    ctx = _Context(policy, dict(rules or {}))
+    ctx = Context(policy, dict(rules or {}))
 
     cache: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = _dynamic(leaves)
+        dynamic = dynamic_leaves(leaves)
         dyn = [leaves[i] for i in dynamic]
         key = _signature(treedef, leaves, dynamic)
         entry = cache.get(key) if key is not None else None
@@ -1683,9 +1308,9 @@ def _gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused while autocast traces and rewrites a program.
 
     A trace makes many long-lived objects (two jaxprs' equations, variables and tracers), and
-    each full collection the allocations trigger walks all of them: measured, a quarter of an
-    8-layer GPT's first trace. What a trace drops can wait until it ends: the collector runs
-    again as usual afterwards (and stays off if it was off).
+    each full collection the allocations trigger walks all of them (docs/guides/internals.md
+    has the share of a first trace this was). What a trace drops can wait until it ends: the
+    collector runs again as usual afterwards (and stays off if it was off).
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -1696,17 +1321,34 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-# Hook for mpjax.compare, which traces a function again with Flax module paths (and float32
-# regions to try) in its name stacks: it sets this while tracing, so that a call cached
-# before, traced without them, is not reused.
-TRACE_SALT: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_trace_salt", default="")
+# The cache that autocast's traces go to ("" outside for_shadow; see for_shadow).
+_SHADOW_CACHE: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_shadow", default="")
+
+
+@contextlib.contextmanager
+def for_shadow(cache: str) -> Iterator[None]:
+    """Autocast traces made inside are for a float32 shadow (mpjax.compare's): they are cached
+    apart, under `cache` (a call traced before, without the Flax module paths and float32
+    regions the shadow's trace adds to the name stacks, is not reused); a constant cast down
+    stays a convert of its float32 value instead of folding into a half constant, so the
+    shadow keeps the float32 value; and an inlined call's equations keep their own source
+    lines, so the shadow's rows name them."""
+    if not cache:
+        raise ValueError("for_shadow needs a non-empty cache name")
+    token = _SHADOW_CACHE.set(cache)
+    try:
+        yield
+    finally:
+        _SHADOW_CACHE.reset(token)
+
+
 # True while a custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
 # linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
 # reductions that need one (_dot_wide_grads, _gather_half) keep JAX's own rules there.
 IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("mpjax_in_rule", default=False)
 
 
-def _flax_module_kind(fn: Any) -> str | None:
+def flax_module_kind(fn: Any) -> str | None:
     """'linen' or 'NNX' when `fn` is a Flax module (without importing Flax otherwise)."""
     for cls in type(fn).__mro__:
         if cls.__name__ == "Module" and cls.__module__.startswith("flax.linen"):
@@ -1727,7 +1369,7 @@ def _signature(treedef: Any, leaves: list[Any], dynamic: list[int]) -> Any:
         hash(avals)
     except TypeError:
         return None
-    return (treedef, static, avals, str(jc.current_name_stack()), TRACE_SALT.get())
+    return (treedef, static, avals, str(jc.current_name_stack()), _SHADOW_CACHE.get())
 
 
 class _Entry:
@@ -1753,7 +1395,7 @@ class _Entry:
 
 
 def _build(
-    ctx: _Context,
+    ctx: Context,
     fn: Callable[..., Any],
     leaves: list[Any],
     treedef: Any,

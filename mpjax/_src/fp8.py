@@ -16,6 +16,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
+from mpjax._src import interpret
 from mpjax._src.policy import Policy
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -349,15 +350,7 @@ def _eligible(eqn: Any) -> bool:
 
 def _has_eligible(jaxpr: Any) -> bool:
     """Whether `jaxpr` or any jaxpr nested in it has an eligible dot (may be a site)."""
-    for eqn in jaxpr.eqns:
-        if _eligible(eqn):
-            return True
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple) else (param,):
-                sub = sub.jaxpr if isinstance(sub, jex_core.ClosedJaxpr) else sub
-                if isinstance(sub, jex_core.Jaxpr) and _has_eligible(sub):
-                    return True
-    return False
+    return any(_eligible(eqn) for eqn in interpret.eqns_within(jaxpr))
 
 
 def _trace_state() -> Any:
@@ -387,7 +380,8 @@ _spread.defvjp(_spread_fwd, _spread_bwd)
 
 
 class _Sites:
-    """The autocast hooks: number eligible dots in evaluation order and run them in FP8.
+    """The FP8 sites of a function under autocast: its eligible dots, numbered in evaluation
+    order and run in FP8 (see :meth:`rules`).
 
     Sites are the dots evaluated at the top level and in scan bodies, nested ones included
     (each counted once however many times it runs). A scan body gets the scales as a constant
@@ -417,7 +411,7 @@ class _Sites:
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
-        lhs, rhs = (autocast_lib._cast(x, dt) for x in invals)
+        lhs, rhs = (autocast_lib.cast(x, dt) for x in invals)
         if scale is None:  # counting sites (init)
             return _dot(eqn.params["dimension_numbers"], None, dt, lhs, rhs)
         return fp8_dot_general(
@@ -430,8 +424,36 @@ class _Sites:
             sink[i],
         )
 
+    def rules(self) -> interpret.Rules:
+        """Autocast's rules, with eligible dots run in FP8 at their sites, and the scales and
+        amax sinks passed into the bodies of scans, remats and conds that hold sites."""
+        rules = autocast_lib.RULES.extend()
+
+        @rules.register("dot_general")
+        def dot(ctx: Any, eqn: Any, invals: list[Any], env: Any, facts: Any, mode: Any, tb: Any):
+            if isinstance(mode, Policy):
+                out = self(eqn, invals, mode)
+                if out is not None:
+                    return [out], [False]
+            return rules.inherited(eqn)(ctx, eqn, invals, env, facts, mode, tb)
+
+        @rules.register("scan", "cond", *interpret.REMATS)
+        def body(ctx: Any, eqn: Any, invals: list[Any], env: Any, facts: Any, mode: Any, tb: Any):
+            if isinstance(mode, Policy):
+                extra = self.body(eqn, mode)
+                if extra is not None:
+                    out = autocast_lib.bind_with_bodies(
+                        ctx, eqn, invals, env, facts, mode, tb, extra
+                    )
+                    if out is not None:
+                        return out
+            return rules.inherited(eqn)(ctx, eqn, invals, env, facts, mode, tb)
+
+        return rules
+
     def body(self, eqn: Any, mode: Any) -> Any:
-        """The body hook: the scales and sinks a scan, remat or cond body needs for its sites."""
+        """The scales and sinks a scan, remat or cond body needs for its sites (see
+        autocast's _bind_with_operands), or None where it holds none."""
         trace, scale, sink = self.frames[-1]
         bodies = eqn.params["branches"] if eqn.primitive.name == "cond" else [eqn.params["jaxpr"]]
         bodies = [b.jaxpr if isinstance(b, jex_core.ClosedJaxpr) else b for b in bodies]
@@ -456,9 +478,7 @@ class _Sites:
 
 def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
     closed, out_tree, dyn = autocast_lib.trace_call(fn, args, {})
-    ctx = autocast_lib._Context(pol.base, {})
-    ctx.eqn_hook = sites
-    ctx.body_hook = sites.body
+    ctx = autocast_lib.Context(pol.base, {}, rules=sites.rules())
     return jax.tree_util.tree_unflatten(out_tree, autocast_lib.evaluate(ctx, closed, dyn))
 
 

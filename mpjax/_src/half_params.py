@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from mpjax._src import policy as policy_lib
+from mpjax._src.dtypes import is_float, is_half
 
 _F32 = np.dtype(np.float32)
 _BF16 = np.dtype(jnp.bfloat16)
@@ -20,15 +21,7 @@ _HALF = (_F16, _BF16)
 MODES = ("stochastic", "kahan", "nearest")
 
 
-def _is_float(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _is_half(x: Any) -> bool:
-    return hasattr(x, "dtype") and np.dtype(x.dtype) in _HALF
-
-
-def _u32(value: int) -> jax.Array:
+def u32(value: int) -> jax.Array:
     return jnp.asarray(np.uint32(value))
 
 
@@ -83,7 +76,7 @@ def stochastic_round(key: jax.Array, x: Any, dtype: Any) -> jax.Array:
       >>> sorted(set(y.tolist())), round(float(jnp.mean(y.astype(jnp.float32))), 4)
       ([1.0, 1.0078125], 1.001)
     """
-    if not _is_float(x):
+    if not is_float(x):
         raise TypeError(
             f"stochastic_round rounds floating-point arrays, got "
             f"{getattr(x, 'dtype', type(x).__name__)}; pass x as a float array "
@@ -96,15 +89,15 @@ def stochastic_round(key: jax.Array, x: Any, dtype: Any) -> jax.Array:
     key = _typed_key(key)
     x32 = x.astype(jnp.float32)
     bits = jax.lax.bitcast_convert_type(x32, jnp.uint32)
-    r = _random_bits(key, x32.shape)
+    r = random_bits(key, x32.shape)
     if target == _BF16:
         # bfloat16 is float32 with the low 16 bits dropped: add 16 random bits, truncate
         # (torchao's bf16 stochastic rounding does the same).
-        up = (bits + (r >> 16)) & _u32(0xFFFF0000)
+        up = (bits + (r >> 16)) & u32(0xFFFF0000)
         rounded = jax.lax.bitcast_convert_type(up, jnp.float32)
     else:
         # float16's normal range: 10 of float32's 23 mantissa bits, so add 13 random bits.
-        normal = jax.lax.bitcast_convert_type((bits + (r >> 19)) & _u32(0xFFFFE000), jnp.float32)
+        normal = jax.lax.bitcast_convert_type((bits + (r >> 19)) & u32(0xFFFFE000), jnp.float32)
         # Its subnormal range is a fixed grid of 2**-24: round the multiple of it.
         scaled = jnp.abs(x32) * np.float32(2.0**24)  # exact: a power-of-two scaling
         floor = jnp.floor(scaled)
@@ -119,17 +112,17 @@ def stochastic_round(key: jax.Array, x: Any, dtype: Any) -> jax.Array:
 def _mix(x: jax.Array) -> jax.Array:
     """A bijective 32-bit integer hash (Wellons' lowbias32: two xorshift-multiply rounds)."""
     x = x ^ (x >> 16)
-    x = x * _u32(0x7FEB352D)
+    x = x * u32(0x7FEB352D)
     x = x ^ (x >> 15)
-    x = x * _u32(0x846CA68B)
+    x = x * u32(0x846CA68B)
     return x ^ (x >> 16)
 
 
-def _random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """32 random bits per element for rounding: a counter hash seeded by two draws from `key`.
 
     ``jax.random.bits`` runs threefry per element, several times the cost of the update it
-    rounds (on a CPU, 7x a pass over the array). Here the key gives two 32-bit seeds and each
+    rounds. Here the key gives two 32-bit seeds and each
     element hashes its index with them: for a fresh key every element's bits are exactly
     uniform (the hash is a bijection of the seed), and neighbours are decorrelated by the
     hash. Elementwise integer work that XLA fuses into the rounding's loop.
@@ -140,7 +133,7 @@ def _random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _mix(_mix(index + seed[0]) ^ seed[1])
 
 
-def _up_to(treedef: Any, tree: Any) -> list[Any]:
+def up_to(treedef: Any, tree: Any) -> list[Any]:
     """The leaves of `tree` down to the leaves of `treedef` (its subtrees stay whole)."""
     return treedef.flatten_up_to(tree)
 
@@ -155,7 +148,7 @@ def _typed_key(key: Any) -> jax.Array:
     )
 
 
-def _key_and_impl(key: Any) -> tuple[jax.Array, Any]:
+def key_and_impl(key: Any) -> tuple[jax.Array, Any]:
     if isinstance(key, bool) or not isinstance(key, (int, np.integer, jax.Array, np.ndarray)):
         raise TypeError(f"key must be an int seed or a PRNG key (jax.random.key(0)), got {key!r}.")
     seed = np.ndim(key) == 0 and jnp.issubdtype(np.result_type(key), jnp.integer)
@@ -178,7 +171,7 @@ def _split(m: jax.Array, dtype: np.dtype) -> tuple[jax.Array, jax.Array]:
         # bfloat16 is float32's high 16 bits: round them (ties away from zero, so that the
         # rest fits int16: -0x8000..0x7FFF) and keep the low 16 bits' difference.
         mb = jax.lax.bitcast_convert_type(m, jnp.uint32)
-        hb = (mb + _u32(0x8000)) >> 16
+        hb = (mb + u32(0x8000)) >> 16
         half = jax.lax.bitcast_convert_type(hb.astype(jnp.uint16), jnp.bfloat16)
         rest = jax.lax.bitcast_convert_type(mb - (hb << 16), jnp.int32).astype(jnp.int16)
     else:
@@ -229,7 +222,7 @@ class HalfUpdatesState(NamedTuple):
     compensation: optax.Updates | None
 
 
-def _check_inner(inner: Any, caller: str = "half_updates") -> optax.GradientTransformationExtraArgs:
+def check_inner(inner: Any, caller: str = "half_updates") -> optax.GradientTransformationExtraArgs:
     if isinstance(inner, optax.GradientTransformation):
         return optax.with_extra_args_support(inner)
     if isinstance(inner, optax.MultiSteps):
@@ -281,7 +274,7 @@ def _check_state_dtype(state_dtype: Any) -> np.dtype | None:
 
 def _check_params(params: Any, caller: str) -> None:
     for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if not _is_float(p):
+        if not is_float(p):
             raise ValueError(
                 f"{caller}: param {jax.tree_util.keystr(path)} has dtype "
                 f"{getattr(p, 'dtype', type(p).__name__)}; only floating-point params can be "
@@ -375,11 +368,11 @@ def half_updates(
       nearest 1.0 bfloat16
       kahan 0.8984375 bfloat16
     """
-    inner_tx = _check_inner(inner)
+    inner_tx = check_inner(inner)
     mode = _check_mode(mode)
     state_dtype = _check_state_dtype(state_dtype)
     random = mode == "stochastic" or state_dtype is not None
-    key_data, impl = _key_and_impl(key)
+    key_data, impl = key_and_impl(key)
 
     def stored_dtype(leaf: Any) -> np.dtype:
         """The dtype a leaf of `inner`'s state is kept in: `state_dtype` for float arrays."""
@@ -394,11 +387,11 @@ def half_updates(
         return dtype
 
     def widen(params: Any) -> Any:
-        return jax.tree_util.tree_map(lambda p: p.astype(_F32) if _is_half(p) else p, params)
+        return jax.tree_util.tree_map(lambda p: p.astype(_F32) if is_half(p) else p, params)
 
     def init(params: optax.Params) -> HalfUpdatesState:
         _check_params(params, "half_updates")
-        if not any(_is_half(p) for p in jax.tree_util.tree_leaves(params)):
+        if not any(is_half(p) for p in jax.tree_util.tree_leaves(params)):
             warnings.warn(
                 "half_updates: no param is float16 or bfloat16, so it changes nothing. Store "
                 "the params in half, e.g. with mpjax.Policy.from_level('O2', "
@@ -408,12 +401,12 @@ def half_updates(
             )
         inner_state = inner_tx.init(widen(params))
         inner_state = jax.tree_util.tree_map(
-            lambda s: s.astype(stored_dtype(s)) if _is_float(s) else s, inner_state
+            lambda s: s.astype(stored_dtype(s)) if is_float(s) else s, inner_state
         )
         compensation = None
         if mode == "kahan":
             compensation = jax.tree_util.tree_map(
-                lambda p: jnp.zeros(p.shape if _is_half(p) else [0], jnp.int16), params
+                lambda p: jnp.zeros(p.shape if is_half(p) else [0], jnp.int16), params
             )
         return HalfUpdatesState(
             inner_state=inner_state,
@@ -440,7 +433,7 @@ def half_updates(
         _check_params(params, "half_updates")
         p_leaves, treedef = jax.tree_util.tree_flatten(params)
         try:
-            g_leaves = _up_to(treedef, updates)
+            g_leaves = up_to(treedef, updates)
         except (ValueError, TypeError) as e:
             raise ValueError(
                 f"half_updates: the gradients and params have different structures ({e}); pass "
@@ -452,20 +445,20 @@ def half_updates(
         wide_grads = jax.tree_util.tree_unflatten(
             treedef,
             [
-                g.astype(_F32) if _is_half(p) and _is_float(g) else g
+                g.astype(_F32) if is_half(p) and is_float(g) else g
                 for g, p in zip(g_leaves, p_leaves)
             ],
         )
         reference = jax.eval_shape(inner_tx.init, wide_params)
         inner_state = jax.tree_util.tree_map(
-            lambda s, ref: s.astype(ref.dtype) if _is_float(s) and s.dtype != ref.dtype else s,
+            lambda s, ref: s.astype(ref.dtype) if is_float(s) and s.dtype != ref.dtype else s,
             state.inner_state,
             reference,
         )
         inner_updates, inner_state = inner_tx.update(
             wide_grads, inner_state, wide_params, **extra_args
         )
-        u_leaves = _up_to(treedef, inner_updates)
+        u_leaves = up_to(treedef, inner_updates)
 
         new_key: Any = None
         param_key: Any = None
@@ -474,10 +467,10 @@ def half_updates(
             new_key, param_key, state_key = jax.random.split(
                 jax.random.wrap_key_data(state.key, impl=impl), 3
             )
-        c_leaves = _up_to(treedef, state.compensation) if state.compensation is not None else None
+        c_leaves = up_to(treedef, state.compensation) if state.compensation is not None else None
         out_u, out_c = [], []
         for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
-            if not _is_half(p):
+            if not is_half(p):
                 out_u.append(u)
                 if c_leaves is not None:
                     out_c.append(c_leaves[i])
@@ -495,12 +488,12 @@ def half_updates(
 
         if state_dtype is not None:
             s_leaves, s_def = jax.tree_util.tree_flatten(inner_state)
-            r_leaves = _up_to(s_def, reference)
+            r_leaves = up_to(s_def, reference)
             inner_state = jax.tree_util.tree_unflatten(
                 s_def,
                 [
                     stochastic_round(jax.random.fold_in(state_key, i), s, stored_dtype(r))
-                    if _is_float(s) and stored_dtype(r) != np.dtype(r.dtype)
+                    if is_float(s) and stored_dtype(r) != np.dtype(r.dtype)
                     else s
                     for i, (s, r) in enumerate(zip(s_leaves, r_leaves))
                 ],

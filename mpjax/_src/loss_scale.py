@@ -13,11 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src.dtypes import is_inexact
+
 T = TypeVar("T")
-
-
-def _is_float_leaf(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -121,7 +119,7 @@ def _scale_tree(tree: T, factor: Any) -> T:
     # cannot overflow before the backward pass starts.
     def scale(x: Any) -> Any:
         x = _python_float_as_array(x)
-        return _wide(x) * factor if _is_float_leaf(x) else x
+        return _wide(x) * factor if is_inexact(x) else x
 
     return jax.tree_util.tree_map(scale, tree)
 
@@ -132,7 +130,7 @@ def _unscale_tree(tree: T, loss_scale: Any, *, divide: bool = False) -> T:
 
     def unscale(x):
         x = _python_float_as_array(x)
-        if not _is_float_leaf(x):
+        if not is_inexact(x):
             return x
         # Unlike jmp (which returns float32 for half leaves), keep each leaf's dtype so that
         # optimizer state dtypes stay stable from step to step. The public unscale methods
@@ -140,9 +138,8 @@ def _unscale_tree(tree: T, loss_scale: Any, *, divide: bool = False) -> T:
         # scale (a divide differs by an ulp for a scale like 3). divide=True is for the
         # optax transformation: the same bits for a power-of-two scale (every dynamic one),
         # and XLA fuses a divide into the optimizer's update where a multiply by a computed
-        # reciprocal made it keep a gradient-sized buffer (measured: +29% temp memory on a
-        # small LSTM's float16 step, +34 KB on a ResNet's, against Flax's DynamicScale,
-        # which divides).
+        # reciprocal made it keep a gradient-sized buffer, where Flax's DynamicScale divides
+        # (docs/guides/internals.md has the measurement).
         wide = _wide(x)
         return (wide / scale if inv is None else wide * inv).astype(x.dtype)
 
@@ -583,7 +580,7 @@ def all_finite(tree: Any) -> jax.Array:
 
 def leaf_finite_flags(tree: Any) -> jax.Array:
     """Returns one boolean per floating leaf of `tree` (in tree_leaves order): all finite?"""
-    leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_leaf(x)]
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact(x)]
     if not leaves:
         return jnp.zeros([0], jnp.bool_)
     return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])

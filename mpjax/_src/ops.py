@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 
 # Matmul-like ops that gain from tensor cores: torch.amp's CUDA "lower_precision_fp" list and
 # PaddlePaddle's O1 white list, in JAX primitive names.
-LOWER_OPS: frozenset[str] = frozenset(
-    {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
-)
+_LOWER = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
 
 # Ops that lose accuracy or overflow in half: torch.amp's CUDA "fp32" list and Paddle's O1
 # black list. Softmax, log_softmax, logsumexp, norms, cross-entropy and MSE are built from these.
-F32_OPS: frozenset[str] = frozenset(
+_F32 = frozenset(
     {
         "exp",
         "exp2",
@@ -36,7 +35,7 @@ F32_OPS: frozenset[str] = frozenset(
 )
 
 # Every other primitive mpjax knows by name; at O1 these follow their inputs (widest float wins).
-FOLLOW_OPS: frozenset[str] = frozenset(
+_FOLLOW = frozenset(
     {
         "abs", "acosh", "add", "and", "argmax", "argmin", "asinh", "atan", "atan2", "atanh",
         "bessel_i0e", "bessel_i1e", "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate",
@@ -55,10 +54,8 @@ FOLLOW_OPS: frozenset[str] = frozenset(
 )  # fmt: skip
 
 # Primitives autocast deliberately runs in their traced dtypes, with the reason: none of them
-# has a half-precision kernel worth having, or they carry no floats. A primitive of the
-# current JAX that is in neither the lists above nor this table is a test failure
-# (tests/test_autocast.py), so a new JAX release cannot add one that falls out silently.
-UNTOUCHED_OPS: dict[str, str] = {
+# has a half-precision kernel worth having, or they carry no floats.
+_UNTOUCHED: dict[str, str] = {
     **dict.fromkeys(
         ("cholesky", "eig", "eigh", "lu", "qr", "svd", "schur", "hessenberg",
          "triangular_solve", "tridiagonal", "tridiagonal_solve", "householder_product",
@@ -83,7 +80,7 @@ UNTOUCHED_OPS: dict[str, str] = {
         ("random_bits", "random_fold_in", "random_seed", "random_split", "random_wrap",
          "random_unwrap", "threefry2x32", "rng_bit_generator", "rng_uniform", "clz",
          "population_count", "shift_left", "shift_right_arithmetic", "shift_right_logical",
-         "mulhi", "reduce_xor", "iota", "eq_to", "le_to", "lt_to"),
+         "mulhi", "reduce_xor", "eq_to", "le_to", "lt_to"),
         "integer, bit and key arithmetic: no floats to cast",
     ),
     **dict.fromkeys(
@@ -100,6 +97,45 @@ UNTOUCHED_OPS: dict[str, str] = {
     ),
 }  # fmt: skip
 
+
+class Kind(enum.Enum):
+    """What autocast does with a primitive (see :data:`PRIMITIVES`)."""
+
+    LOWER = "lower"  # runs in the policy's half dtype (tensor-core math)
+    F32 = "f32"  # runs in float32
+    FOLLOW = "follow"  # follows its inputs at O1, the policy's compute dtype at O2
+    UNTOUCHED = "untouched"  # runs in its traced dtypes, for the reason given
+
+
+def _table(
+    groups: Iterable[tuple[Kind, Iterable[str], str]],
+) -> dict[str, tuple[Kind, str]]:
+    table: dict[str, tuple[Kind, str]] = {}
+    for kind, names, why in groups:
+        for name in names:
+            if name in table:
+                raise AssertionError(f"{name} is listed as {table[name][0]} and as {kind}")
+            table[name] = (kind, why)
+    return table
+
+
+# The one table: each primitive mpjax knows by name, its kind and, for those left untouched,
+# why. A primitive of the current JAX that is not in it is a test failure
+# (tests/test_autocast.py), so a new JAX release cannot add one that falls out silently.
+PRIMITIVES: dict[str, tuple[Kind, str]] = _table(
+    [
+        (Kind.LOWER, _LOWER, "matmul-like: tensor cores"),
+        (Kind.F32, _F32, "loses accuracy or overflows in half"),
+        (Kind.FOLLOW, _FOLLOW, "follows its inputs"),
+        *((Kind.UNTOUCHED, [name], why) for name, why in _UNTOUCHED.items()),
+    ]
+)
+LOWER_OPS: frozenset[str] = frozenset(n for n, (k, _) in PRIMITIVES.items() if k is Kind.LOWER)
+F32_OPS: frozenset[str] = frozenset(n for n, (k, _) in PRIMITIVES.items() if k is Kind.F32)
+FOLLOW_OPS: frozenset[str] = frozenset(n for n, (k, _) in PRIMITIVES.items() if k is Kind.FOLLOW)
+UNTOUCHED_OPS: dict[str, str] = {
+    n: why for n, (k, why) in PRIMITIVES.items() if k is Kind.UNTOUCHED
+}
 KNOWN_OPS: frozenset[str] = LOWER_OPS | F32_OPS | FOLLOW_OPS
 
 

@@ -15,17 +15,19 @@ applies it. Two decisions are made here:
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 
 from mpjax._src import jax_compat as jc
 from mpjax._src import ops
+from mpjax._src.dtypes import dtype_max, is_float_dtype
 from mpjax._src.policy import Policy
 
 # Ops that take operands of unrelated dtypes and pass them through.
-_PASS_OPS = frozenset(
+PASS_OPS = frozenset(
     {"device_put", "optimization_barrier", "sharding_constraint", "stop_gradient", "pvary",
      "reshard", "mesh_cast", "name"}
 )  # fmt: skip
@@ -37,24 +39,31 @@ SHAPE_OPS = frozenset(
      "dynamic_slice", "gather", "copy", "copy_p", "tile", "unstack"}
 )  # fmt: skip
 # Elementwise ops that broadcast size-1 dimensions implicitly.
-_ELEMENTWISE = frozenset(
+ELEMENTWISE = frozenset(
     {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n", "clamp",
      "nextafter"}
 )  # fmt: skip
 # Ops whose meaning depends on the bit width: always run in their traced dtype.
-_TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
 # Ops whose float operands only decide something (a bool, an index, an order): they and the
 # values feeding them keep their traced dtype, so rounding cannot flip a decision.
-_DECISION_OPS = frozenset(
+DECISION_OPS = frozenset(
     {"lt", "le", "gt", "ge", "eq", "ne", "is_finite", "argmax", "argmin", "sort", "top_k"}
 )
-# Held values (see target_dtype): statistics (f32-list results and what is computed only from
-# them), and float16 activations leaving a float32 region, held for float32's range.
-_GUARD, _STAT = 1, 2
+
+
+class Hold(enum.IntEnum):
+    """Why a value is held in float32 (see :func:`target_dtype`); NONE where it is not."""
+
+    NONE = 0
+    GUARD = 1  # a float16 activation leaving a float32 region, held for float32's range
+    STAT = 2  # a statistic: an f32-list result, or a value computed only from them
+
+
 # Ops that commute with a cast down (a monotone rounding): relu(cast(x)) == cast(relu(x)).
 _CAST_COMMUTES = frozenset({"max", "min", "abs", "neg", "select_n", "clamp", "sign"})
 # Ops for which a constant operand is a fill or a bound: one beyond the half's range saturates.
-_FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
+FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
 # Ops that combine a value that feeds a decision with the decision's result: p - floor(p)
 # cancels to the fractional part, which the half rounding of p would lose (an interpolation
 # weight rounded to a multiple of 1/8 for p up to 63 in bfloat16).
@@ -67,7 +76,7 @@ CARRY_OPS = frozenset(
      "scatter-sub"}
 )  # fmt: skip
 # Scatters carry their combiner as a jaxpr param; they follow the policy like other ops.
-_SCATTERS = frozenset(
+SCATTERS = frozenset(
     {"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"}
 )
 
@@ -77,12 +86,8 @@ def _narrow(dtype: Any) -> bool:
     return bool(jnp.finfo(dtype).maxexp < jnp.finfo(np.float32).maxexp)
 
 
-def _size(v: Any) -> int:
+def n_elements(v: Any) -> int:
     return int(np.prod(v.aval.shape))
-
-
-def _is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _widest(dtypes: list[np.dtype]) -> np.dtype:
@@ -95,10 +100,6 @@ def _widest(dtypes: list[np.dtype]) -> np.dtype:
         elif np.dtype(d).itemsize == np.dtype(best).itemsize:
             best = np.dtype(np.float32)  # float16 meets bfloat16: neither holds the other
     return np.dtype(best)
-
-
-def _max(dtype: Any) -> float:
-    return float(jnp.finfo(dtype).max)
 
 
 def _as(known: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -120,12 +121,12 @@ def _changes_meaning(known: np.ndarray, dtype: np.dtype) -> bool:
     return bool(np.any(np.isfinite(k) & ~np.isfinite(cast))) or _underflows(known, dtype)
 
 
-def _beyond(known: Any, dtype: np.dtype) -> bool:
+def beyond(known: Any, dtype: np.dtype) -> bool:
     """Whether a value, `known` or not (None), may lie beyond `dtype`'s finite range."""
-    return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > _max(dtype)))
+    return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > dtype_max(dtype)))
 
 
-def _op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
+def op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
     """The (lower, f32) op lists in force under `mode`."""
     if isinstance(mode, Policy) and mode.half and mode.level != "O0":
         return mode.lower_ops, mode.f32_ops
@@ -137,8 +138,14 @@ def _op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
 # A backward pass over a jaxpr marks each float value with two facts: it feeds a decision (a
 # comparison, an integer convert, a sort, a loop condition), and it feeds only f32-list ops.
 # Producers of the first keep their traced dtype; producers of the second compute in float32.
-Flags = tuple[bool, bool]  # (feeds a decision, feeds only f32-list ops)
-_NONE: Flags = (False, False)
+class Flags(NamedTuple):
+    """What a value is used for (see :func:`use_flags`)."""
+
+    decides: bool  # it feeds a decision
+    f32_only: bool  # it feeds only f32-list ops
+
+
+NO_USE = Flags(False, False)
 
 
 def use_flags(eqn: Any, mode: Any, out_dec: bool, out_f32: bool) -> list[Flags]:
@@ -146,19 +153,36 @@ def use_flags(eqn: Any, mode: Any, out_dec: bool, out_f32: bool) -> list[Flags]:
     decide something (their results are integers, bools or an order), or feed only f32-list
     ops (through an elementwise op whose results do)."""
     name, n = eqn.primitive.name, len(eqn.invars)
-    if name in _DECISION_OPS or not any(_is_float(v.aval.dtype) for v in eqn.outvars):
-        return [(True, False)] * n  # floats that become integers, bools or bits decide
-    lower, f32 = _op_lists(mode)
-    if name not in ops.KNOWN_OPS and (name in SHAPE_OPS or name in _PASS_OPS):
-        return [(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
+    if name in DECISION_OPS or not any(is_float_dtype(v.aval.dtype) for v in eqn.outvars):
+        return [Flags(True, False)] * n  # floats that become integers, bools or bits decide
+    lower, f32 = op_lists(mode)
+    if name not in ops.KNOWN_OPS and (name in SHAPE_OPS or name in PASS_OPS):
+        return [Flags(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
     if name in lower or name not in ops.KNOWN_OPS:
-        return [_NONE] * n
+        return [NO_USE] * n
     if name in f32:
-        return [(out_dec, True)] * n
-    return [(out_dec, out_f32)] * n
+        return [Flags(out_dec, True)] * n
+    return [Flags(out_dec, out_f32)] * n
 
 
 # -- the dtype each equation runs in --------------------------------------------------------------
+
+
+class Action(enum.Enum):
+    """What the rule does with an equation's float operands."""
+
+    KEEP = "keep"  # leaves them as they are (data movement, no float operand)
+    TRACED = "traced"  # casts them back to the dtypes the program traced
+    UNTOUCHED = "untouched"  # as TRACED, for a primitive autocast leaves alone (marked)
+    CAST = "cast"  # casts them to the decision's dtype
+
+
+class Decision(NamedTuple):
+    """The rule's decision for one equation (see :func:`target_dtype`)."""
+
+    action: Action
+    dtype: Any = None  # for CAST: the dtype float operands are cast to
+    hold: Hold = Hold.NONE  # whether, and why, the results are held in float32
 
 
 def target_dtype(
@@ -175,22 +199,21 @@ def target_dtype(
     bias_add: bool = False,
     feeds: list[bool] | None = None,
     carried: list[bool] | None = None,
-) -> tuple[Any, int]:
+) -> Decision:
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
 
-    Returns (None, hold) to leave the operands as they are, ("traced", False) to run the op in
-    the dtypes it was traced with, or (dtype, hold). `hold` is 0 or the kind of value held in
-    float32: _STAT for f32-list results and what is computed only from them (at O2 they stay
-    float32 until bulk math casts them down), _GUARD for float16 activations leaving a float32
-    region (held for the range; ops that commute with a cast run on them in half).
+    The decision's `hold` is NONE or the kind of value held in float32: STAT for f32-list
+    results and what is computed only from them (at O2 they stay float32 until bulk math casts
+    them down), GUARD for float16 activations leaving a float32 region (held for the range;
+    ops that commute with a cast run on them in half).
     """
-    fin = [i for i, v in enumerate(eqn.invars) if _is_float(v.aval.dtype)]
+    fin = [i for i, v in enumerate(eqn.invars) if is_float_dtype(v.aval.dtype)]
     if not fin:
-        return None, False
-    if name in SHAPE_OPS or name in _PASS_OPS:
-        return None, max(held[i] for i in fin)
-    if name in _TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
-        return "untouched", False  # unknown primitive: never wrong, only slower
+        return Decision(Action.KEEP)
+    if name in SHAPE_OPS or name in PASS_OPS:
+        return Decision(Action.KEEP, hold=Hold(max(held[i] for i in fin)))
+    if name in TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
+        return Decision(Action.UNTOUCHED)  # unknown primitive: never wrong, only slower
     traced = [np.dtype(eqn.invars[i].aval.dtype) for i in fin]
     full = _widest([*traced, np.dtype(np.float32)])
     if mode == "f32":
@@ -202,87 +225,103 @@ def target_dtype(
         # (gelu's x**3 of a LayerNorm output of 50 overflows it).
         dyn = [i for i in fin if not static[i]]
         if name in ops.F32_OPS | base.f32_ops:
-            return full, _STAT
+            return Decision(Action.CAST, full, Hold.STAT)
         if dyn and all(held[i] for i in dyn):
-            return full, min(held[i] for i in dyn)
-        return full, _GUARD if _narrow(base.compute_dtype) else False
+            return Decision(Action.CAST, full, Hold(min(held[i] for i in dyn)))
+        narrow = _narrow(base.compute_dtype)
+        return Decision(Action.CAST, full, Hold.GUARD if narrow else Hold.NONE)
     if mode == "half":
-        return base.compute_dtype, False
+        return Decision(Action.CAST, base.compute_dtype)
     policy: Policy = mode
     if policy.level == "O0" or not policy.half:
-        return full, False
+        return Decision(Action.CAST, full)
     if all(static):
-        return "traced", False  # constants, index arithmetic, random numbers: as traced
-    fouts = [v for v in eqn.outvars if _is_float(v.aval.dtype)]
-    lower, f32 = _op_lists(policy)
-    decides = name in _DECISION_OPS or not fouts or any(f[0] for f in out_flags)
+        return Decision(Action.TRACED)  # constants, index arithmetic, random numbers: as traced
+    fouts = [v for v in eqn.outvars if is_float_dtype(v.aval.dtype)]
+    lower, f32 = op_lists(policy)
+    decides = name in DECISION_OPS or not fouts or any(f.decides for f in out_flags)
     if name not in lower and (decides or all(not v.aval.shape for v in fouts)):
-        return "traced", False  # decisions and scalar bookkeeping (tensor math follows policy)
+        # decisions and scalar bookkeeping (tensor math follows the policy)
+        return Decision(Action.TRACED)
     if name in CARRY_OPS and carried is not None and any(carried[i] for i in fin):
         # The loop's state updated by a small step keeps the dtype it entered the loop with.
-        return _widest(traced), False
+        return Decision(Action.CAST, _widest(traced))
     strong_in = [
         i
         for i in fin
         if not isinstance(eqn.invars[i], jc.Literal) and not eqn.invars[i].aval.weak_type
     ]
     if name not in lower and strong_in and all(index[i] or static[i] for i in strong_in):
-        return "traced", False  # index arithmetic: y - floor(y) for sampling coordinates
+        # index arithmetic: y - floor(y) for sampling coordinates
+        return Decision(Action.TRACED)
     if (
         name in _CANCELS
         and feeds is not None
         and any(index[i] and not static[i] for i in strong_in)
         and all(index[i] or static[i] or feeds[i] for i in strong_in)
     ):
-        return "traced", False  # a coordinate minus its own floor: p - floor(p).astype(int)
-    if name in f32 or (name not in lower and fouts and all(f[1] for f in out_flags)):
-        return full, _STAT  # f32-list ops and the elementwise producers feeding only them
-    hold: int = 0
+        # a coordinate minus its own floor: p - floor(p).astype(int)
+        return Decision(Action.TRACED)
+    if name in f32 or (name not in lower and fouts and all(f.f32_only for f in out_flags)):
+        # f32-list ops and the elementwise producers feeding only them
+        return Decision(Action.CAST, full, Hold.STAT)
+    hold: int = Hold.NONE
     if name in lower:
         target = policy.compute_dtype
     else:
         # Weak-typed operands and literals (Python scalars in the source) do not promote, as in
         # jnp; at O2 neither do values computed without float inputs (constants, masks).
         floats = [
-            (np.dtype(vals[i].dtype), isinstance(eqn.invars[i], jc.Literal), held[i], static[i])
+            _Operand(
+                np.dtype(vals[i].dtype),
+                isinstance(eqn.invars[i], jc.Literal) or eqn.invars[i].aval.weak_type,
+                held[i],
+                static[i],
+            )
             for i in fin
-        ]
-        floats = [
-            (d, lit or eqn.invars[i].aval.weak_type, h, s)
-            for (d, lit, h, s), i in zip(floats, fin, strict=True)
         ]
         if policy.level == "O1" and bias_add:
             # A matmul's bias is part of it, as in torch's nn.Linear and F.conv under autocast:
             # the half result stays half, instead of promoting every activation to float32.
-            target, hold = policy.compute_dtype, False
+            target, hold = policy.compute_dtype, Hold.NONE
         elif policy.level == "O1":
-            strong = [f for f in floats if not f[1]] or floats
-            target, hold = _widest([d for d, _, _, _ in strong]), False
+            strong = [f for f in floats if not f.weak] or floats
+            target, hold = _widest([f.dtype for f in strong]), Hold.NONE
         else:
-            strong = [f for f in floats if not f[1] and not f[3]]
-            kinds = [h for _, _, h, _ in strong]
-            if any(kinds) and name in _CAST_COMMUTES and _STAT not in kinds:
+            strong = [f for f in floats if not f.weak and not f.static]
+            kinds = [f.held for f in strong]
+            if any(kinds) and name in _CAST_COMMUTES and Hold.STAT not in kinds:
                 # relu of a float32 norm's output: the same as relu of its half cast, so it
                 # runs in half and saves half residuals.
-                target, hold = policy.compute_dtype, False
+                target, hold = policy.compute_dtype, Hold.NONE
             elif any(kinds):
                 # An f32 result meeting half values: the op runs in float32, so a sum of
                 # squares plus an epsilon is not cast down before it divides.
-                target, hold = full, min(kinds) if all(kinds) else False
+                target, hold = full, min(kinds) if all(kinds) else Hold.NONE
             else:
-                target, hold = policy.compute_dtype, False
+                target, hold = policy.compute_dtype, Hold.NONE
     explicit = _explicit_half(eqn, fin, policy)
     if explicit is not None and np.dtype(target).itemsize < 4:
         target = explicit
     if np.dtype(target).itemsize < 4:
         bad = [k for k in known if k is not None and _changes_meaning(k, target)]
-        if bad and name in _FILL_OPS and not any(_underflows(k, target) for k in bad):
+        if bad and name in FILL_OPS and not any(_underflows(k, target) for k in bad):
             # A fill beyond the half's range (jnp.where(mask, x, finfo(float32).min)) keeps its
             # meaning saturated to the half's maximum, and the op stays in half.
-            return target, hold
+            return Decision(Action.CAST, target, Hold(hold))
         if bad:
-            return full, _STAT  # a constant half cannot hold: the op runs where it can
-    return target, hold
+            # a constant half cannot hold: the op runs where it can
+            return Decision(Action.CAST, full, Hold.STAT)
+    return Decision(Action.CAST, target, Hold(hold))
+
+
+class _Operand(NamedTuple):
+    """A float operand, as the promotion at O1 and O2 sees it."""
+
+    dtype: np.dtype  # its dtype now
+    weak: bool  # a literal or weak-typed (a Python scalar in the source): it does not promote
+    held: int  # the Hold kind of a value held in float32
+    static: bool  # computed without float inputs (a constant, a mask)
 
 
 def _explicit_half(eqn: Any, fin: list[int], policy: Policy) -> np.dtype | None:

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 from mpjax._src import loss_scale as ls_lib
-from mpjax._src.half_params import _is_half
+from mpjax._src.dtypes import is_half, is_inexact
 
 
 class NonFiniteLeaves:
@@ -63,7 +63,7 @@ def _float_leaf_paths(tree: Any) -> tuple[str, ...]:
     return tuple(
         jax.tree_util.keystr(path)
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-        if ls_lib._is_float_leaf(x)
+        if is_inexact(x)
     )
 
 
@@ -119,7 +119,7 @@ def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs | None:
 
 
 def _check_has_floats(tree: Any, what: str) -> None:
-    if not any(ls_lib._is_float_leaf(x) for x in jax.tree_util.tree_leaves(tree)):
+    if not any(is_inexact(x) for x in jax.tree_util.tree_leaves(tree)):
         raise ValueError(
             f"loss_scale(): {what} has no floating-point arrays, so there is nothing to scale or "
             "check. Pass the model's float parameters/gradients (integer leaves are left alone)."
@@ -279,7 +279,7 @@ def loss_scale(
         # With a scale >= 1 (known statically), unscaling cannot overflow, so the raw
         # gradients are finite exactly when the unscaled ones are. Checking the raw ones
         # leaves the unscale multiply a single consumer, which XLA fuses into the update
-        # instead of writing the unscaled gradients out (measured: 8% of an O2 step on CPU).
+        # instead of writing the unscaled gradients out (docs/guides/internals.md).
         checked = updates if _scale_at_least_one(state.loss_scale) else grads
         flags = ls_lib.leaf_finite_flags(checked)
         if axis_name is not None:  # every replica sees every replica's overflow
@@ -299,9 +299,9 @@ def loss_scale(
         if inner_tx is None:
             new_updates, inner_state = grads, state.inner_state
         else:
-            # Run the inner update and select, as optax.apply_if_finite does, rather than
-            # branch with lax.cond: a select fuses into the update, where a cond's branches
-            # keep their own buffers (measured: +24% temp memory on the digits CNN's step).
+            # Run the inner update and select, where optax.apply_if_finite branches with
+            # lax.cond: a select fuses into the update, where a cond's branches keep their
+            # own buffers (the temp memory this saves: docs/guides/internals.md).
             # select(finite, new, old) returns `old` bit for bit, NaNs in `new` or not.
             new_updates, proposed = inner_tx.update(grads, state.inner_state, params, **extra_args)
             if _checks_updates(check_updates, params if params is not None else updates):
@@ -315,13 +315,13 @@ def loss_scale(
                 state.inner_state,
             )
             new_updates = jax.tree_util.tree_map(
-                lambda u: u if ls_lib._is_float_leaf(u) else _select(finite, u, jnp.zeros_like(u)),
+                lambda u: u if is_inexact(u) else _select(finite, u, jnp.zeros_like(u)),
                 new_updates,
             )
 
         def mask(u: Any) -> Any:
             # -0.0, not 0.0: p + (-0.0) == p bitwise for every p, including p == -0.0.
-            return _select(finite, u, jax.lax.full_like(u, -0.0)) if ls_lib._is_float_leaf(u) else u
+            return _select(finite, u, jax.lax.full_like(u, -0.0)) if is_inexact(u) else u
 
         return jax.tree_util.tree_map(mask, new_updates), LossScaleState(
             loss_scale=new_scale,
@@ -340,14 +340,14 @@ def loss_scale(
 def _checks_updates(check_updates: bool | None, params: Any) -> bool:
     if check_updates is not None:
         return bool(check_updates)
-    return any(_is_half(x) for x in jax.tree_util.tree_leaves(params))
+    return any(is_half(x) for x in jax.tree_util.tree_leaves(params))
 
 
 def _warn_half_adam_eps(params: Any, inner: optax.GradientTransformation) -> None:
     """Warns when float16 params meet an optimizer that makes a non-finite update from a zero
     float16 gradient (optax's Adam family: its eps=1e-8 is zero in float16)."""
     if not any(
-        ls_lib._is_float_leaf(x) and jnp.dtype(x.dtype) == jnp.float16
+        is_inexact(x) and jnp.dtype(x.dtype) == jnp.float16
         for x in jax.tree_util.tree_leaves(params)
     ):
         return
@@ -389,14 +389,14 @@ def _select(pred: jax.Array, new: Any, old: Any) -> Any:
     return jax.lax.select_n(pred, old, new)
 
 
-def _find_states(opt_state: Any) -> list[LossScaleState]:
+def find_states(opt_state: Any) -> list[LossScaleState]:
     def is_state(x: Any) -> bool:
         return isinstance(x, LossScaleState)
 
     found = [x for x in jax.tree_util.tree_leaves(opt_state, is_leaf=is_state) if is_state(x)]
     # A wrap form's inner state may hold another (loss_scale(chain(loss_scale(), ...))), which
     # would unscale twice: count it too.
-    return found + [inner for x in found for inner in _find_states(x.inner_state)]
+    return found + [inner for x in found for inner in find_states(x.inner_state)]
 
 
 class InexactSkipWarning(UserWarning):
@@ -494,7 +494,7 @@ def _warn_if_inexact(opt_state: Any) -> None:
 
 
 def _the_state(opt_state: Any, caller: str) -> LossScaleState:
-    found = _find_states(opt_state)
+    found = find_states(opt_state)
     if not found:
         raise ValueError(
             f"{caller}: opt_state holds no mpjax.loss_scale() state. Build the optimizer with "
@@ -662,7 +662,7 @@ def all_reduce_gradients(
     """
 
     def reduce(g: Any) -> Any:
-        if not ls_lib._is_float_leaf(g):
+        if not is_inexact(g):
             return g
         wide = g if dtype is None else g.astype(dtype)
         out = jax.lax.pmean(wide, axis_name) if mean else jax.lax.psum(wide, axis_name)

@@ -1,0 +1,239 @@
+"""The jaxpr interpreter core: the layouts of higher-order primitives, a registry of rules keyed
+by primitive, and the loops that walk a jaxpr.
+
+Every walk mpjax makes over a jaxpr is a set of rules on this module: autocast's use analysis
+(backward) and evaluation (forward), compare's float32 shadow and FLOP count, find_nonfinite,
+export's use analysis and FP8's site search. As in JAX's own interpreters (checkify, jet), a
+loop here knows no primitive by name: it reads each equation's operands, asks a
+:class:`Rules` registry for the equation's rule and writes what the rule returns. What a
+higher-order primitive's bodies are, and which of its operands each body takes, is written
+once, in the tables and decoders below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from mpjax._src import jax_compat as jc
+
+T = TypeVar("T")
+
+# -- the layouts of higher-order primitives --------------------------------------------------------
+
+# Calls whose body takes the operands and gives the results one to one, by what they are:
+# plain calls (inlined by every interpreter), custom-derivative calls (their rules are
+# functions too) and user remats.
+INLINE_CALLS: Mapping[str, str] = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+}
+CUSTOM_CALLS: Mapping[str, str] = {
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",  # JAX 0.6-0.7's name of custom_vjp_call
+}
+REMATS: Mapping[str, str] = {"remat2": "jaxpr", "checkpoint": "jaxpr"}
+CALLS: Mapping[str, str] = {**INLINE_CALLS, **CUSTOM_CALLS, **REMATS}
+# Every primitive whose bodies autocast rebuilds (besides inlined calls), by the params that
+# hold them. scan: operands (consts, carry, xs) map onto its body's inputs, results (carry,
+# ys) onto its outputs; while: (cond consts, body consts, carry), see while_parts; cond: the
+# branch index, then each branch's operands; shard_map: one to one, per shard.
+BODY_PARAMS: Mapping[str, tuple[str, ...]] = {
+    **{name: (key,) for name, key in {**CUSTOM_CALLS, **REMATS}.items()},
+    "scan": ("jaxpr",),
+    "while": ("cond_jaxpr", "body_jaxpr"),
+    "cond": ("branches",),
+    "shard_map": ("jaxpr",),
+}
+# The param of a scatter that holds its combiner (add, mul, min or max of two scalars): a
+# jaxpr, but no body; a scatter is a first-order op.
+COMBINER_PARAM = "update_jaxpr"
+
+
+def is_jaxpr(x: Any) -> bool:
+    return isinstance(x, (jc.Jaxpr, jc.ClosedJaxpr))
+
+
+def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
+    """(jaxpr, consts) of a closed or open jaxpr."""
+    if isinstance(j, jc.ClosedJaxpr):
+        return j.jaxpr, list(j.consts)
+    return j, []
+
+
+def call_body(eqn: Any, table: Mapping[str, str] = CALLS) -> Any:
+    """The body of a call in `table` (see CALLS), or None for any other equation."""
+    key = table.get(eqn.primitive.name)
+    return None if key is None else eqn.params[key]
+
+
+def bodies(eqn: Any) -> list[Any]:
+    """Every jaxpr among `eqn`'s params (a cond's branches each), a scatter's combiner too."""
+    return [
+        sub
+        for p in eqn.params.values()
+        for sub in (p if isinstance(p, tuple) else (p,))
+        if is_jaxpr(sub)
+    ]
+
+
+def is_higher_order(eqn: Any) -> bool:
+    """Whether `eqn` has a body: a jaxpr param that is not a scatter's combiner."""
+    return any(is_jaxpr(p) for k, p in eqn.params.items() if k != COMBINER_PARAM)
+
+
+def scan_parts(eqn: Any, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
+    """A scan's operands (or anything laid out as them) as (consts, carry, scanned)."""
+    k, nc = eqn.params["num_consts"], eqn.params["num_carry"]
+    return list(xs[:k]), list(xs[k : k + nc]), list(xs[k + nc :])
+
+
+def while_parts(eqn: Any, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
+    """A while loop's operands (or anything laid out as them) as (cond consts, body consts,
+    carry). Its condition takes (cond consts, carry), its body (body consts, carry)."""
+    cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    return list(xs[:cn]), list(xs[cn : cn + bn]), list(xs[cn + bn :])
+
+
+def cond_parts(eqn: Any, xs: Sequence[T]) -> tuple[T, list[T]]:
+    """A cond's operands (or anything laid out as them) as (branch index, branch operands)."""
+    return xs[0], list(xs[1:])
+
+
+# -- rules --------------------------------------------------------------------------------------
+
+
+class Rules:
+    """A registry of rules keyed by primitive name, as JAX keeps one per interpreter.
+
+    A rule is looked up by the equation's primitive; a primitive with no rule of its own gets
+    `higher_order` if it has bodies (see :func:`is_higher_order`) and that is set, else
+    `default`. :meth:`extend` makes a registry that overrides some rules and falls back to
+    this one, so that another interpreter (FP8 over autocast) adds rules without touching
+    these."""
+
+    def __init__(
+        self,
+        default: Callable[..., Any] | None = None,
+        higher_order: Callable[..., Any] | None = None,
+        parent: Rules | None = None,
+    ):
+        self._rules: dict[str, Callable[..., Any]] = {}
+        self._default = default
+        self._higher_order = higher_order
+        self._parent = parent
+
+    def register(self, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Registers the decorated function as the rule of each primitive in `names`."""
+
+        def deco(rule: Callable[..., Any]) -> Callable[..., Any]:
+            for name in names:
+                self._rules[name] = rule
+            return rule
+
+        return deco
+
+    def set_default(self, rule: Callable[..., Any]) -> Callable[..., Any]:
+        self._default = rule
+        return rule
+
+    def set_higher_order(self, rule: Callable[..., Any]) -> Callable[..., Any]:
+        self._higher_order = rule
+        return rule
+
+    def own(self, name: str) -> Callable[..., Any] | None:
+        """The rule registered for `name` here or in a parent (no fallback)."""
+        rule = self._rules.get(name)
+        if rule is None and self._parent is not None:
+            return self._parent.own(name)
+        return rule
+
+    def __call__(self, eqn: Any) -> Callable[..., Any]:
+        """The rule for `eqn`."""
+        rule = self.own(eqn.primitive.name)
+        if rule is not None:
+            return rule
+        if is_higher_order(eqn):
+            fallback = self._fallback("_higher_order")
+            if fallback is not None:
+                return fallback
+        default = self._fallback("_default")
+        if default is None:
+            raise KeyError(f"no rule for {eqn.primitive.name}")
+        return default
+
+    def _fallback(self, attr: str) -> Callable[..., Any] | None:
+        rule = getattr(self, attr)
+        if rule is None and self._parent is not None:
+            return self._parent._fallback(attr)
+        return rule
+
+    def inherited(self, eqn: Any) -> Callable[..., Any]:
+        """The rule `eqn` gets from the registry this one extends (see :meth:`extend`)."""
+        if self._parent is None:
+            raise KeyError("a registry that extends none has no inherited rules")
+        return self._parent(eqn)
+
+    def extend(self) -> Rules:
+        """A registry whose own rules come first, then this one's."""
+        return Rules(parent=self)
+
+
+# -- the loops ----------------------------------------------------------------------------------
+
+
+class Env:
+    """The values of a jaxpr's variables during a forward walk."""
+
+    def __init__(self, jaxpr: Any = None, consts: Sequence[Any] = (), args: Sequence[Any] = ()):
+        self.vals: dict[Any, Any] = {}
+        if jaxpr is not None:
+            self.vals.update(zip(jaxpr.constvars, consts, strict=True))
+            self.vals.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(self, v: Any) -> Any:
+        return v.val if isinstance(v, jc.Literal) else self.vals[v]
+
+    def write(self, eqn: Any, outs: Sequence[Any]) -> None:
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jc.DropVar):
+                self.vals[v] = x
+
+
+class _NoValues:
+    """The environment of a walk that computes no values (a count): reads give None."""
+
+    def read(self, v: Any) -> None:
+        return None
+
+    def write(self, eqn: Any, outs: Any) -> None:
+        pass
+
+
+NO_VALUES = _NoValues()
+
+
+def forward(jaxpr: Any, env: Any, step: Callable[[Any, list[Any]], Any]) -> list[Any]:
+    """Walks `jaxpr`'s equations in order: ``env.write(eqn, step(eqn, operand values))``;
+    returns the values of its outputs. `env` is an :class:`Env` or anything with its
+    ``read``/``write``."""
+    for eqn in jaxpr.eqns:
+        env.write(eqn, step(eqn, [env.read(v) for v in eqn.invars]))
+    return [env.read(v) for v in jaxpr.outvars]
+
+
+def backward(jaxpr: Any, step: Callable[[Any], None]) -> None:
+    """Walks `jaxpr`'s equations from the last to the first (for analyses of uses)."""
+    for eqn in reversed(jaxpr.eqns):
+        step(eqn)
+
+
+def eqns_within(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of `jaxpr` and of the jaxprs nested in it, in order, depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in bodies(eqn):
+            yield from eqns_within(open_jaxpr(sub)[0])

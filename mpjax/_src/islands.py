@@ -1,0 +1,251 @@
+"""Float32 islands as remat regions: float32 values computed from half ones (a softmax's exp
+and sums, a norm's statistics) are recomputed by the backward pass instead of kept."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from mpjax._src import jax_compat as jc
+from mpjax._src.dtypes import is_float_dtype
+
+# Float32 islands (see _Env.tag_island): the ops that extend one, the name its values carry,
+# and the remat policy that recomputes them for the backward pass instead of keeping them.
+ISLAND = "mpjax_float32_island"
+ISLAND_OPS = frozenset(
+    {"convert_element_type", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
+     "sin", "cos", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "abs", "neg", "sign", "square",
+     "integer_pow", "pow", "add", "add_any", "sub", "mul", "div", "max", "min", "select_n",
+     "clamp", "reduce_sum", "reduce_max", "reduce_min", "broadcast_in_dim", "reshape",
+     "squeeze", "expand_dims", "transpose", "stop_gradient"}
+)  # fmt: skip
+
+
+# Ops that make a constant array from literals or constants (see remat_islands).
+_CONST_MAKERS = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "reshape", "iota", "squeeze", "expand_dims"}
+)
+
+
+def _is_half_cast(eqn: Any, up: bool) -> bool:
+    """Whether `eqn` casts a half value to float32 (`up`), or float32 to a half."""
+    if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jc.Literal):
+        return False
+    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    if up:
+        src, dst = dst, src
+    return is_float_dtype(src) and is_float_dtype(dst) and src == np.float32 and dst.itemsize == 2
+
+
+def remat_islands(closed: Any, context: Any = None) -> Any:
+    """`closed` with each run of float32-island equations (see _Env.tag_island: the ops whose
+    results are named ISLAND, and those names) under ``jax.checkpoint`` that saves nothing
+    inside: the backward pass recomputes the island from the half values it started from
+    instead of keeping its float32 values, as `jax.checkpoint` does for a region. Forward
+    values are unchanged; the names are dropped. `closed` itself if it has no island."""
+    eqns = closed.jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    marked: set[int] = set()
+    for i, e in enumerate(eqns):
+        if e.primitive.name == "name" and e.params.get("name") == ISLAND:
+            marked.add(i)
+            u = e.invars[0]
+            if not isinstance(u, jc.Literal) and u in producer:
+                marked.add(producer[u])
+    for i in sorted(marked):  # and the casts up of half values autocast made for them
+        for u in eqns[i].invars:
+            k = producer.get(u) if not isinstance(u, jc.Literal) else None
+            if k is not None and _is_half_cast(eqns[k], up=True):
+                marked.add(k)
+    for i, e in enumerate(eqns):  # and the casts down where the island ends
+        u = e.invars[0] if e.invars else None
+        if _is_half_cast(e, up=False) and producer.get(u) in marked:
+            marked.add(i)
+    if not marked or closed.effects:
+        return closed
+    # Constants made in the program (a mask's fill broadcast to the scores' shape): a region
+    # that reads one makes it again inside, so that it is not kept as a residual.
+    consts = set(closed.jaxpr.constvars)
+    made: set[int] = set()
+    for i, e in enumerate(eqns):
+        if e.primitive.name in _CONST_MAKERS and all(
+            isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
+        ):
+            made.add(i)
+    # The plan: equations in order, each alone or in a region (a list). A region takes marked
+    # equations; an unmarked one between them that reads none of the region's values (a
+    # reshape of a norm's scale) moves before it, one that does (a running average of a
+    # batch statistic) moves after it, unless a later marked one reads it: the region ends
+    # there. So one island is one region.
+    plan: list[Any] = []
+    i = 0
+    while i < len(eqns):
+        if i not in marked:
+            plan.append(i)
+            i += 1
+            continue
+        region: list[int] = []
+        before: list[int] = []
+        after: list[int] = []
+        pending: list[int] = []
+        defined: set[Any] = set()  # the region's values
+        later: set[Any] = set()  # values of equations that move after it
+        k = i
+        while k < len(eqns):
+            e = eqns[k]
+            reads = {v for v in e.invars if not isinstance(v, jc.Literal)}
+            if k in marked:
+                if reads & later:
+                    break
+                region.append(k)
+                defined.update(e.outvars)
+                before += [j for j in pending if j not in after]
+                pending = []
+            else:
+                pending.append(k)
+                if reads & (defined | later):
+                    after.append(k)
+                    later.update(e.outvars)
+            k += 1
+        done = set(region) | set(before)
+        plan += before
+        plan.append(region)
+        plan += [j for j in range(i, k) if j not in done]
+        i = k
+    last_use: dict[Any, int] = {}  # by position in the plan
+    for pos, step in enumerate(plan):
+        for k in step if isinstance(step, list) else [step]:
+            for v in eqns[k].invars:
+                if not isinstance(v, jc.Literal):
+                    last_use[v] = pos
+    for v in closed.jaxpr.outvars:
+        if not isinstance(v, jc.Literal):
+            last_use[v] = len(plan)
+
+    # Each region's equations (the constants it makes again first), inputs and outputs.
+    regions: dict[int, tuple[list[Any], list[Any], list[Any]]] = {}
+    for pos, step in enumerate(plan):
+        if not isinstance(step, list):
+            continue
+        makers: set[int] = set()
+        todo = [u for k in step for u in eqns[k].invars]
+        while todo:
+            u = todo.pop()
+            k = producer.get(u) if not isinstance(u, jc.Literal) else None
+            if k in made and k not in makers and k not in step:
+                makers.add(k)
+                todo += eqns[k].invars
+        run = [eqns[k] for k in sorted(makers)] + [eqns[k] for k in step]
+        defined = {v for e in run for v in e.outvars}
+        ins = list(
+            dict.fromkeys(
+                v
+                for e in run
+                for v in e.invars
+                if not isinstance(v, jc.Literal) and v not in defined
+            )
+        )
+        outs = [v for k in step for v in eqns[k].outvars if last_use.get(v, -1) > pos]
+        regions[pos] = (run, ins, outs)
+
+    def bind(eqn: Any, env: dict[Any, Any], name_stack: Any = None) -> None:
+        vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
+        if eqn.primitive.name == "name" and eqn.params.get("name") == ISLAND:
+            env[eqn.outvars[0]] = vals[0]
+            return
+        own = eqn.source_info.name_stack if name_stack is None else name_stack
+        stack = jc.current_name_stack() + own
+        with jc.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
+            out = jc.bind(eqn.primitive, vals, eqn.params)
+        outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs, strict=True))
+
+    def remat_region(
+        run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]
+    ) -> Callable[..., Any]:
+        def f(*vals: Any) -> list[Any]:
+            env = dict(zip(ins, vals, strict=True))
+            for eqn, stack in zip(run, stacks, strict=True):
+                bind(eqn, env, stack)
+            return [env[v] for v in outs]
+
+        return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+
+    # The same island in every layer of a model (a norm, a softmax) is one function: JAX
+    # traces a checkpointed function once per input types and caches its derivatives by
+    # jaxpr, so differentiating a program pays for each distinct island once, not per layer
+    # (docs/guides/internals.md has the trace time this saves).
+    functions: dict[Any, Callable[..., Any]] = {}
+
+    def region_function(pos: int) -> tuple[Callable[..., Any], Any]:
+        run, ins, outs = regions[pos]
+        # The region runs under its ops' common name stack (the island's module), and each op
+        # under its own name within it. The casts at its borders that autocast made for the
+        # next op (a Dense's bfloat16 input) run under the island's name, so that the same
+        # island before different modules is still one function.
+        own = [e for e in run if not (_is_half_cast(e, up=True) or _is_half_cast(e, up=False))]
+        prefix = jc.common_name_stack([e.source_info.name_stack for e in own or run])
+        stacks = [jc.relative_name_stack(e.source_info.name_stack, prefix) for e in run]
+        key = _region_key(run, ins, outs, stacks)
+        fn = functions.get(key) if key is not None else None
+        if fn is None:
+            fn = remat_region(run, ins, outs, stacks)
+            if key is not None:
+                functions[key] = fn
+        return fn, prefix
+
+    def evaluate(*args: Any) -> list[Any]:
+        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(closed.jaxpr.invars, args, strict=True))
+        for pos, step in enumerate(plan):
+            if pos not in regions:
+                bind(eqns[step], env)
+                continue
+            run, ins, outs = regions[pos]
+            fn, prefix = region_function(pos)
+            stack = jc.current_name_stack() + prefix
+            with jc.user_context(run[0].source_info.traceback, name_stack=stack):
+                env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
+        return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
+
+    return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
+
+
+def _region_key(run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]) -> Any:
+    """What a region computes, up to its variables' names: equal keys bind the same ops with
+    the same params, types, contexts and relative name stacks on the same dataflow. None when
+    a param cannot be hashed (the region is then its own function). A context is compared by
+    its fields (older JAX compares JaxprEqnContext by identity)."""
+    local: dict[Any, Any] = {v: ("in", i) for i, v in enumerate(ins)}
+
+    def ref(v: Any) -> Any:
+        if isinstance(v, jc.Literal):
+            val = np.asarray(v.val)
+            return ("lit", v.aval, val.dtype.str, val.tobytes())
+        return local[v]
+
+    parts = []
+    for eqn, stack in zip(run, stacks, strict=True):
+        params = tuple(sorted(eqn.params.items()))
+        reads = tuple(ref(v) for v in eqn.invars)
+        for v in eqn.outvars:
+            local[v] = ("v", len(local))
+        parts.append(
+            (
+                eqn.primitive,
+                params,
+                reads,
+                tuple(v.aval for v in eqn.outvars),
+                repr(eqn.ctx),
+                str(stack),
+            )
+        )
+    key = (tuple(v.aval for v in ins), tuple(parts), tuple(local[v] for v in outs))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key

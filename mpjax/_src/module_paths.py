@@ -1,0 +1,89 @@
+"""Flax module paths in a trace's name stacks, for mpjax.compare: every linen method call and
+every call of a wrapped NNX model's modules runs in a scope named by its path."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from mpjax._src.policy import Policy
+from mpjax._src.regions import (
+    F32_REGION,
+    region_key,
+)
+
+# Module paths travel in the name stack as this scope (``/`` would split it into parts).
+_MODULE_SCOPE = "mpjax_module:"
+_MODULE_RE = re.compile(re.escape(_MODULE_SCOPE) + r"([^/()]*)")
+
+
+# -- tracing: the program, with module paths and float32 regions marked ------------------------
+
+_O0_KEY: list[str] = []
+
+
+def _o0_key() -> str:
+    """The region key of an O0 rule, as ``mpjax.flax.wrap(rules={path: "O0"})`` makes it."""
+    if not _O0_KEY:
+        _O0_KEY.append(region_key(Policy.from_level("O0")))
+    return _O0_KEY[0]
+
+
+@contextlib.contextmanager
+def _module_scope(path: str, keep: frozenset[str]) -> Iterator[None]:
+    """Names a module's ops with its path; a path in `keep` also runs as an O0 rule would."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.named_scope(_MODULE_SCOPE + path.replace("/", "|")))
+        if path in keep:  # the two scopes of an O0 rule of mpjax.flax.wrap, innermost
+            stack.enter_context(jax.named_scope(f"mpjax:{F32_REGION}"))
+            stack.enter_context(jax.named_scope(f"mpjax:{_o0_key()}"))
+        yield
+
+
+def module_of(name_stack: str) -> str | None:
+    found = _MODULE_RE.findall(name_stack)
+    return found[-1].replace("|", "/") if found else None
+
+
+def clean_name(name_stack: str) -> str:
+    """The name stack without compare's own scopes (``transpose(jvp(Net))/Dense_0``)."""
+    parts = _MODULE_RE.sub("", name_stack).split("/")
+    return "/".join(p for p in parts if p and not _EMPTY_CALL.fullmatch(p))
+
+
+_EMPTY_CALL = re.compile(r"(\w+\()*\)*")
+
+
+@contextlib.contextmanager
+def linen_paths(keep: frozenset[str]) -> Iterator[None]:
+    """Every linen module method call runs in its path's scope (``nn.intercept_methods``)."""
+    if "flax.linen" not in sys.modules:
+        yield
+        return
+    import flax.linen as nn
+
+    def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        path = "/".join(str(p) for p in context.module.path)
+        with _module_scope(path, keep):
+            return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(intercept):
+        yield
+
+
+@contextlib.contextmanager
+def nnx_paths(keep: frozenset[str]) -> Iterator[None]:
+    """NNX records no module path; for models wrapped by ``mpjax.flax.wrap``, each module's
+    call runs in its path's scope (``mpjax.flax.module_scopes``), the paths being the ones
+    ``rules=`` keys name."""
+    flax_mod: Any = sys.modules.get("mpjax.flax")
+    if flax_mod is None:  # no wrapped NNX model can run: NNX ops have no paths
+        yield
+        return
+    with flax_mod.module_scopes(lambda path: _module_scope(path, keep)):
+        yield
