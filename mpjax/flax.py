@@ -18,7 +18,7 @@ import contextlib
 import contextvars
 import fnmatch
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -426,6 +426,36 @@ def _find_call(cls: type) -> Any:
     return next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
 
 
+@contextlib.contextmanager
+def _patched_calls(classes: Iterable[type], scope_for: Callable[[Any], Any]) -> Iterator[None]:
+    """For the duration, each class's ``__call__`` runs inside ``scope_for(module)``, a context
+    manager, or as it is where that gives None."""
+    originals: dict[type, Any] = {}
+    for cls in classes:
+        call = _find_call(cls)
+        if call is None:
+            continue  # not callable (a container); its submodules are patched on their own
+        originals[cls] = cls.__dict__.get("__call__")
+
+        @functools.wraps(call)
+        def patched(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
+            scope = scope_for(self)
+            if scope is None:
+                return __call(self, *a, **k)
+            with scope:
+                return __call(self, *a, **k)
+
+        cls.__call__ = patched  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in originals.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original  # type: ignore[method-assign]
+
+
 # Scopes entered around each module call of a wrapped NNX model, by path (see module_scopes).
 _MODULE_SCOPES: contextvars.ContextVar[tuple[Callable[[str], Any], ...]] = contextvars.ContextVar(
     "mpjax_module_scopes", default=()
@@ -484,30 +514,14 @@ def _path_scopes(model: nnx.Module, scope: Callable[[str], Any]) -> Iterator[Non
         else:
             by_id[id(sub)] = p
         classes.add(type(sub))
-    originals: dict[type, Any] = {}
-    for cls in classes:
-        call = _find_call(cls)
-        if call is None:
-            continue
-        originals[cls] = cls.__dict__.get("__call__")
 
-        def with_path(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
-            path = getattr(self, _PATH_ATTR, None)
-            path = by_id.get(id(self)) if path is None else path
-            if path is None:
-                return __call(self, *a, **k)
-            with scope(path):
-                return __call(self, *a, **k)
+    def scope_for(module: Any) -> Any:
+        path = getattr(module, _PATH_ATTR, None)
+        path = by_id.get(id(module)) if path is None else path
+        return None if path is None else scope(path)
 
-        cls.__call__ = with_path  # type: ignore[method-assign]
-    try:
+    with _patched_calls(classes, scope_for):
         yield
-    finally:
-        for cls, original in originals.items():
-            if original is None:
-                del cls.__call__
-            else:
-                cls.__call__ = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -537,30 +551,12 @@ def _nnx_markers(model: nnx.Module, resolver: _Resolver) -> Iterator[None]:
         marker = getattr(module, _MARKER_ATTR, None) or by_id.get(id(module))
         return marker if marker is not None else resolver.class_marker(type(module))
 
-    originals: dict[type, Any] = {}
-    for cls in classes:
-        call = _find_call(cls)
-        if call is None:
-            continue  # not callable (a container); its submodules are marked on their own
-        originals[cls] = cls.__dict__.get("__call__")
+    def scope_for(module: Any) -> Any:
+        marker = region(module)
+        return None if marker is None else resolver.region(marker)
 
-        @functools.wraps(call)
-        def marked(self: Any, *a: Any, __call: Any = call, **k: Any) -> Any:
-            marker = region(self)
-            if marker is None:
-                return __call(self, *a, **k)
-            with resolver.region(marker):
-                return __call(self, *a, **k)
-
-        cls.__call__ = marked  # type: ignore[method-assign]
-    try:
+    with _patched_calls(classes, scope_for):
         yield
-    finally:
-        for cls, original in originals.items():
-            if original is None:
-                del cls.__call__
-            else:
-                cls.__call__ = original  # type: ignore[method-assign]
 
 
 def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) -> Any:

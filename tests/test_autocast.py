@@ -461,8 +461,7 @@ def _public_primitives():
 
 
 def test_every_primitive_of_this_jax_is_in_a_table_or_deliberately_untouched():
-    from mpjax._src import autocast as ac
-    from mpjax._src import ops, rules
+    from mpjax._src import interpret, ops, rules
 
     handled = (
         ops.KNOWN_OPS
@@ -471,8 +470,8 @@ def test_every_primitive_of_this_jax_is_in_a_table_or_deliberately_untouched():
         | rules.PASS_OPS
         | rules.TRACED_DTYPE_OPS
         | rules.DECISION_OPS
-        | set(ac.INLINE_CALLS)
-        | set(ac._SUBJAXPR_PARAMS)
+        | set(interpret.INLINE_CALLS)
+        | set(interpret.BODY_PARAMS)
     )
     found = _public_primitives()
     assert len(found) > 150  # the enumeration itself works

@@ -232,6 +232,13 @@ class _Env:
                 if known is not None:
                     self.known[v] = known[i]
 
+    def operand_facts(self, eqn: Any) -> tuple[list[bool], list[int], list[bool]]:
+        """Whether each operand of `eqn` is static, its held kind, and whether it is carried."""
+        static = [self.is_static(v) for v in eqn.invars]
+        held = [self.held_kind(v) for v in eqn.invars]
+        carried = [self.is_carried(v) for v in eqn.invars]
+        return static, held, carried
+
     def is_static(self, v: Any) -> bool:
         return isinstance(v, jc.Literal) or v in self.static
 
@@ -811,6 +818,11 @@ def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
 RULES = interpret.Rules()
 
 
+def _results(eqn: Any, out: Any, hold: int = Hold.NONE) -> tuple[list[Any], list[int]]:
+    """A rule's return: `eqn`'s result values as a list, each held as `hold`."""
+    return (list(out) if eqn.primitive.multiple_results else [out]), [hold] * len(eqn.outvars)
+
+
 @RULES.register(*INLINE_CALLS)
 def _inline_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
@@ -839,11 +851,7 @@ def _rebuild_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     name = eqn.primitive.name
-    nout = len(eqn.outvars)
-    multiple = eqn.primitive.multiple_results
-    static = [env.is_static(v) for v in eqn.invars]
-    held = [env.held_kind(v) for v in eqn.invars]
-    carried = [env.is_carried(v) for v in eqn.invars]
+    static, held, carried = env.operand_facts(eqn)
     try:
         params = dict(eqn.params)
         for key in _SUBJAXPR_PARAMS[name]:
@@ -853,7 +861,7 @@ def _rebuild_rule(
         wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
         args = _to_traced(invals, [v.aval for v in eqn.invars])
         out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
-        return (list(out) if multiple else [out]), [False] * nout
+        return _results(eqn, out)
     except _CannotRebuild:
         if name in interpret.REMATS:  # lose the remat, keep the precision
             outs, holds, _ = _eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
@@ -867,7 +875,7 @@ def _untouched_rule(
 ) -> tuple[list[Any], list[int]]:
     """A higher-order primitive autocast does not know (or cannot rebuild): as traced."""
     out = _bind_untouched(eqn, invals)
-    return (list(out) if eqn.primitive.multiple_results else [out]), [False] * len(eqn.outvars)
+    return _results(eqn, out)
 
 
 def bind_with_bodies(
@@ -884,9 +892,7 @@ def bind_with_bodies(
     _bind_with_operands; mpjax.fp8's rules pass FP8 scales into bodies this way), or None
     where the bodies cannot be rebuilt (the rules in force then run it as usual)."""
     key = "branches" if eqn.primitive.name == "cond" else "jaxpr"
-    static = [env.is_static(v) for v in eqn.invars]
-    held = [env.held_kind(v) for v in eqn.invars]
-    carried = [env.is_carried(v) for v in eqn.invars]
+    static, held, carried = env.operand_facts(eqn)
     flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
     try:
         out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
@@ -901,11 +907,7 @@ def _primitive_rule(
 ) -> tuple[list[Any], list[int]]:
     """A first-order equation under the dtype rule (rules.target_dtype)."""
     name = eqn.primitive.name
-    nout = len(eqn.outvars)
-    multiple = eqn.primitive.multiple_results
-    static = [env.is_static(v) for v in eqn.invars]
-    held = [env.held_kind(v) for v in eqn.invars]
-    carried = [env.is_carried(v) for v in eqn.invars]
+    static, held, carried = env.operand_facts(eqn)
     if name in FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
         invals = env.saturate_fills(eqn, invals, mode.compute_dtype)
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
@@ -1022,7 +1024,7 @@ def _primitive_rule(
             env.lowered.update(eqn.outvars)
     if name == "broadcast_in_dim" and n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
         env.spread.update(eqn.outvars)
-    return (list(out) if multiple else [out]), [hold] * nout
+    return _results(eqn, out, hold)
 
 
 # Data movement: a cast commutes with it, so it can run on the half cast (see _Env.move).

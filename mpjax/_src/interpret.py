@@ -81,8 +81,14 @@ def bodies(eqn: Any) -> list[Any]:
 
 
 def is_higher_order(eqn: Any) -> bool:
-    """Whether `eqn` has a body: a jaxpr param that is not a scatter's combiner."""
-    return any(is_jaxpr(p) for k, p in eqn.params.items() if k != COMBINER_PARAM)
+    """Whether `eqn` has a body: a jaxpr param (a cond's tuple of branches too) that is not a
+    scatter's combiner."""
+    return any(
+        is_jaxpr(sub)
+        for k, p in eqn.params.items()
+        if k != COMBINER_PARAM
+        for sub in (p if isinstance(p, tuple) else (p,))
+    )
 
 
 def scan_parts(eqn: Any, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
