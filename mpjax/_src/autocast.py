@@ -28,12 +28,7 @@ from mpjax._src.autocast_uses import Facts, analyze, while_facts
 from mpjax._src.dtypes import dtype_max, is_float_dtype
 from mpjax._src.islands import ISLAND, ISLAND_OPS, remat_islands
 from mpjax._src.policy import Policy
-from mpjax._src.regions import (
-    F32_REGION,
-    HALF_REGION,
-    MARKER,
-    REGIONS,
-)
+from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
 from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
     CARRY_OPS,
     ELEMENTWISE,

@@ -455,8 +455,7 @@ class _Sites:
         """The scales and sinks a scan, remat or cond body needs for its sites (see
         autocast's _bind_with_operands), or None where it holds none."""
         trace, scale, sink = self.frames[-1]
-        bodies = eqn.params["branches"] if eqn.primitive.name == "cond" else [eqn.params["jaxpr"]]
-        bodies = [b.jaxpr if isinstance(b, jex_core.ClosedJaxpr) else b for b in bodies]
+        bodies = [interpret.open_jaxpr(b)[0] for b in interpret.bodies(eqn)]
         if _trace_state() != trace or not any(_has_eligible(b) for b in bodies):
             return None
         consts = [] if scale is None else [scale, sink]

@@ -43,7 +43,7 @@ class NonFiniteOrigin:
         )
 
 
-def _nonfinite_kind(x: Any) -> str | None:
+def nonfinite_kind(x: Any) -> str | None:
     """'nan' or 'inf' if the floating array `x` holds one (nan first), else None."""
     # jnp.issubdtype, not np: a PRNG key's dtype (key<fry>) is not a NumPy dtype.
     if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)):
@@ -61,7 +61,7 @@ def _nonfinite_input(
 ) -> NonFiniteOrigin | None:
     """The first of `named` (name, value) holding one of `kinds`, as an origin."""
     for name, x in named:
-        kind = _nonfinite_kind(x)
+        kind = nonfinite_kind(x)
         if kind in kinds:
             return NonFiniteOrigin(
                 primitive=primitive,
@@ -85,14 +85,14 @@ def _first_nonfinite(jaxpr: Any, consts: list, args: list, stack: str) -> list[A
 
     def step(eqn: Any, invals: list[Any]) -> list[Any]:
         name = "/".join(p for p in (stack, str(eqn.source_info.name_stack)) if p)
-        finite_in = all(_nonfinite_kind(x) is None for x in invals)
+        finite_in = all(nonfinite_kind(x) is None for x in invals)
         body = interpret.call_body(eqn)
         if body is not None and finite_in:
             return _first_nonfinite(*interpret.open_jaxpr(body), invals, name)
         outs = jax_compat.bind(eqn.primitive, invals, eqn.params)
         if not eqn.primitive.multiple_results:
             outs = [outs]
-        kinds = [_nonfinite_kind(x) for x in outs]
+        kinds = [nonfinite_kind(x) for x in outs]
         if any(kinds) and finite_in:
             out = outs[[k is not None for k in kinds].index(True)]
             raise _Found(

@@ -14,11 +14,10 @@ import numpy as np
 from mpjax._src import interpret
 from mpjax._src import jax_compat as jc
 from mpjax._src.audit_report import short_source
-from mpjax._src.autocast import (
-    scatter_update,
-)
+from mpjax._src.autocast import scatter_update
 from mpjax._src.compare_metric import relative_error
 from mpjax._src.dtypes import is_float
+from mpjax._src.nonfinite import nonfinite_kind
 from mpjax._src.rules import PASS_OPS, SHAPE_OPS, TRACED_DTYPE_OPS
 
 # Ops that only move data: their error is their input's, so they get no row.
@@ -84,14 +83,6 @@ def dtype_text(eqn: Any) -> str:
     if not ins or ins == [out]:
         return out
     return f"{'/'.join(ins)}->{out}"
-
-
-def _nonfinite_kind(x: np.ndarray) -> str | None:
-    if np.isnan(x).any():
-        return "nan"
-    if np.isinf(x).any():
-        return "inf"
-    return None
 
 
 @dataclasses.dataclass
@@ -213,7 +204,7 @@ class Shadow:
             h = np.asarray(oh[i], np.float64)
             stat.local = max(stat.local, relative_error(local[i], ref[i], self.metric))
             stat.error = max(stat.error, relative_error(h, ref[i], self.metric))
-            kind = _nonfinite_kind(h)
+            kind = nonfinite_kind(h)
             if kind is not None and stat.nonfinite is None:
                 made = all(np.isfinite(np.asarray(x, np.float64)).all() for x in hs if is_float(x))
                 if made:
