@@ -9,6 +9,7 @@ from conftest import eqns
 from jax import lax
 
 import mpjax
+from mpjax._src import ops as mpjax_ops
 
 HALF = {"float16": np.dtype("float16"), "bfloat16": np.dtype(jnp.bfloat16)}
 F32 = np.dtype("float32")
@@ -556,25 +557,28 @@ def test_bad_input():
         mpjax.autocast(3, mpjax.Policy.from_level("O1"))
 
 
-@pytest.mark.skipif(
-    not hasattr(jax, "shard_map"),
-    reason="shard_map bodies are rebuilt from JAX 0.6.1 (jax.shard_map)",
-)
-def test_recurses_into_shard_map_and_keeps_collectives_in_their_traced_dtype():
+def _shard_map(f, **kw):
+    """jax.shard_map, or its experimental form on JAX 0.6.0."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, **kw)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(f, **kw)
+
+
+def _psum_of_a_layer(w, x):
     from jax.sharding import Mesh, PartitionSpec
 
+    def body(w, x):
+        return lax.psum(jnp.tanh(x @ w).sum(0, keepdims=True), "d")
+
     mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+    specs = dict(in_specs=(PartitionSpec(), PartitionSpec("d")), out_specs=PartitionSpec())
+    return _shard_map(body, mesh=mesh, **specs)(w, x)
 
-    def f(w, x):
-        def body(w, x):
-            return lax.psum(jnp.tanh(x @ w).sum(0, keepdims=True), "d")
 
-        return jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec("d")),
-            out_specs=PartitionSpec(),
-        )(w, x)
+def test_recurses_into_shard_map_and_keeps_collectives_in_their_traced_dtype():
+    f = _psum_of_a_layer
 
     w = jnp.full((3, 3), 0.1)
     x = jnp.ones((4, 3))
@@ -585,3 +589,39 @@ def test_recurses_into_shard_map_and_keeps_collectives_in_their_traced_dtype():
     assert rel_err(g(w, x), f(w, x)) < 5e-2
     grads = jax.grad(lambda w: g(w, x).sum())(w)
     assert rel_err(grads, jax.grad(lambda w: f(w, x).sum())(w)) < 5e-2
+
+
+def test_a_body_autocast_cannot_rebuild_warns_is_audited_and_strict_raises(monkeypatch):
+    from mpjax._src import jax_compat
+    from mpjax._src.autocast import UntouchedWarning
+
+    def cannot(params):
+        raise jax_compat.CannotRebuild("a JAX without this internal")
+
+    monkeypatch.setattr(jax_compat, "shard_map_context", cannot)
+    w, x = jnp.full((3, 3), 0.1), jnp.ones((4, 3))
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    g = mpjax.autocast(_psum_of_a_layer, policy)
+    with pytest.warns(UntouchedWarning, match="shard_map .*a JAX without this internal"):
+        report = mpjax.audit(g, w, x, compile=False)
+    # The body ran in float32, as traced, and the audit says so and why.
+    assert [m.operand_dtypes for m in report.matmuls] == [("float32", "float32")]
+    assert report.untouched == ("shard_map",)
+    assert "could not rebuild its body" in report.untouched_why[0]
+    assert "shard_map: autocast could not rebuild" in str(report)
+    strict = mpjax.autocast(_psum_of_a_layer, policy, strict=True)
+    with pytest.raises(ValueError, match="strict=True.*shard_map.*a JAX without this internal"):
+        strict(w, x)
+
+
+def test_a_sub_program_left_by_design_is_audited_with_its_reason_and_strict_raises():
+    def f(x):  # a reduction with a body of the user's: runs as traced, by design, silently
+        return lax.reduce(x, 0.0, lambda a, b: a + b * b, (0,)) @ x
+
+    x = jnp.ones((4, 4))
+    policy = mpjax.Policy.from_level("O1", "float16")
+    report = mpjax.audit(mpjax.autocast(f, policy), x, compile=False)
+    assert report.untouched == ("reduce",)
+    assert report.untouched_why == (mpjax_ops.UNTOUCHED_OPS["reduce"],)
+    with pytest.raises(ValueError, match=r"strict=True\): the reduce at .*a generic reduction"):
+        mpjax.autocast(f, policy, strict=True)(x)

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import slow_except
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpjax
+from mpjax._src.autocast import UntouchedWarning
 
 N = 8
 MULTI = jax.device_count() >= N
@@ -428,3 +430,121 @@ def test_auto_fsdp_tp_lookup_into_a_norm_moves_half_forward():
     # the hand-written step's), so the lookup's all-reduce moves half (it moved float32): the
     # forward's float32 collectives are the norm's statistics, as the hand-written step's.
     assert forward_f32(ours) - forward_f32(hand) == collections.Counter(), forward_f32(ours)
+
+
+# -- autocast inside shard_map on real Flax models ----------------------------------------------
+#
+# A float32 island in a shard_map body (the attention's softmax, a norm, a lookup's rows) makes
+# autocast trace the body twice; a regression made that second trace fail inside the body's
+# axis environment, and the whole body then ran silently in float32. These models have every
+# such island.
+
+
+def _linen_gpt():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            y = nn.LayerNorm()(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=4)(y, y, mask=mask)
+            y = nn.Dense(64)(nn.LayerNorm()(x))
+            return x + nn.Dense(16)(nn.gelu(y))
+
+    class GPT(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            x = nn.Embed(32, 16)(ids)
+            pos = self.param("pos", nn.initializers.normal(0.02), (8, 16))
+            x = x + pos[None, : ids.shape[1]]
+            for _ in range(2):
+                x = Block()(x)
+            return nn.Dense(32)(nn.LayerNorm()(x))
+
+    model = GPT()
+    ids = jnp.zeros((N * 2, 8), jnp.int32)
+    params = model.init(jax.random.key(0), ids)
+    return model.apply, params, ids
+
+
+def _nnx_gpt():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.ln1, self.ln2 = nnx.LayerNorm(16, rngs=rngs), nnx.LayerNorm(16, rngs=rngs)
+            self.attn = nnx.MultiHeadAttention(4, 16, decode=False, rngs=rngs)
+            self.up, self.down = nnx.Linear(16, 64, rngs=rngs), nnx.Linear(64, 16, rngs=rngs)
+
+        def __call__(self, x):
+            mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+            y = self.ln1(x)
+            x = x + self.attn(y, y, mask=mask)
+            return x + self.down(nnx.gelu(self.up(self.ln2(x))))
+
+    class GPT(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(32, 16, rngs=rngs)
+            self.pos = nnx.Param(jax.random.normal(rngs.params(), (8, 16)) * 0.02)
+            self.block1, self.block2 = Block(rngs), Block(rngs)
+            self.ln, self.head = nnx.LayerNorm(16, rngs=rngs), nnx.Linear(16, 32, rngs=rngs)
+
+        def __call__(self, ids):
+            x = self.embed(ids) + self.pos[None, : ids.shape[1]]
+            x = self.block2(self.block1(x))
+            return self.head(self.ln(x))
+
+    graphdef, state = nnx.split(GPT(nnx.Rngs(0)))
+    return (lambda s, ids: nnx.merge(graphdef, s)(ids)), state, jnp.zeros((N * 2, 8), jnp.int32)
+
+
+def _dot_operand_dtypes(text):
+    """The operand element types of every dot_general in a lowered StableHLO module's text."""
+    import re
+
+    sigs = re.findall(r"stablehlo\.dot_general[^\n]*?:\s*\((tensor<[^)]*)\)\s*->", text)
+    return [tuple(t.rsplit("x", 1)[-1] for t in re.findall(r"tensor<([^>]*)>", s)) for s in sigs]
+
+
+_GPT_GRID = [
+    (flavour, level, half, vma)
+    for flavour in ("linen", "nnx")
+    for level in ("O1", "O2")
+    for half in ("float16", "bfloat16")
+    for vma in (False, True)
+]
+
+
+@needs_8
+@pytest.mark.parametrize(
+    "flavour, level, half, vma",
+    slow_except({("linen", "O2", "float16", False), ("nnx", "O1", "bfloat16", True)}, _GPT_GRID),
+)
+def test_autocast_around_a_shard_mapped_flax_transformer_runs_half_dots(flavour, level, half, vma):
+    import warnings
+
+    fwd, params, ids = (_linen_gpt if flavour == "linen" else _nnx_gpt)()
+    auto = (jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=auto)
+    sharded = shard_map(
+        fwd, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), check_vma=vma
+    )
+    f = mpjax.autocast(sharded, mpjax.Policy.from_level(level, half))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntouchedWarning)
+        text = jax.jit(f).lower(params, ids).as_text()
+        grad_text = (
+            jax.jit(jax.grad(lambda p: f(p, ids).astype(jnp.float32).sum())).lower(params).as_text()
+        )
+    want = {"float16": "f16", "bfloat16": "bf16"}[half]
+    fwd_dots, grad_dots = _dot_operand_dtypes(text), _dot_operand_dtypes(grad_text)
+    # 2 blocks x (q, k, v, scores, mix, out, up, down) + the head: 17 forward dots.
+    assert len(fwd_dots) == 17 and len(grad_dots) > len(fwd_dots)
+    assert all(d == (want, want) for d in fwd_dots + grad_dots), fwd_dots + grad_dots
+    # The shard_map body was rebuilt, not left as traced: the audit lists nothing untouched.
+    assert mpjax.audit(f, params, ids, compile=False).untouched == ()
+    # And it agrees with the float32 model.
+    ref = jax.jit(sharded)(params, ids)
+    got = jax.jit(f)(params, ids).astype(jnp.float32)
+    assert float(jnp.max(jnp.abs(got - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))

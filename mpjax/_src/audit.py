@@ -108,6 +108,7 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
         converts=found.converts,
         risks=tuple(found.risks),
         untouched=tuple(found.untouched),
+        untouched_why=tuple(found.untouched_why),
         compiled_matmuls=compiled,
         backend=jax.default_backend(),
         collectives=tuple(found.collectives),

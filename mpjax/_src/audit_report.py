@@ -83,7 +83,9 @@ class AuditReport:
       risks: float32-list ops (exp, log, rsqrt, sums, ...) that run in half precision. An
         exp that cannot overflow is left out: one of ``-x*x`` or ``-|x|`` (erf's derivative)
         or one that only feeds ``c / (k + exp)`` (JAX's lowering of sigmoid, so silu).
-      untouched: primitives autocast did not know and ran in their traced dtype.
+      untouched: primitives autocast ran in their traced dtype: by design (linear algebra,
+        collectives, ...), because it does not know them, or because it could not rebuild a
+        body (a loop's, a shard_map's); ``untouched_why`` gives the reason for each.
       compiled_matmuls: (kind, operand dtypes) of the matmuls in the backend's optimized HLO,
         or None if it could not be compiled. On CPU, XLA may run half matmuls in float32.
       backend: the backend the program was lowered for.
@@ -105,6 +107,7 @@ class AuditReport:
     compiled_matmuls: tuple[tuple[str, tuple[str, ...]], ...] | None
     backend: str
     collectives: tuple[Collective, ...] = ()
+    untouched_why: tuple[str, ...] = ()
 
     def collective_bytes(self) -> dict[str, int]:
         """Bytes per device that the partitioned program's collectives move, by dtype.
@@ -213,6 +216,7 @@ class AuditReport:
             "converts": self.converts,
             "risks": [dataclasses.asdict(r) for r in self.risks],
             "untouched": list(self.untouched),
+            "untouched_why": list(self.untouched_why),
             "misaligned": len(self.misaligned),
             "collectives": [dataclasses.asdict(c) for c in self.collectives],
             "compiled_matmuls": None
@@ -332,7 +336,9 @@ class AuditReport:
                 "multiple of 8; pad it for tensor cores.",
             ]
         if self.untouched:
-            rows += ["", f"autocast left in their traced dtype: {', '.join(self.untouched)}"]
+            why = self.untouched_why or ("",) * len(self.untouched)
+            rows += ["", "autocast left in their traced dtype:"]
+            rows += [f"  {p}: {w}" if w else f"  {p}" for p, w in zip(self.untouched, why)]
         if self.collectives:
             rows += ["", "collectives:"]
             rows += [f"  {c.kind} {' '.join(c.dtypes)} ({c.stage})" for c in self.collectives]

@@ -13,7 +13,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from mpjax._src.audit_report import HALF_DTYPES, Collective, MatmulOp, Risk
-from mpjax._src.autocast import UNTOUCHED_SCOPE
+from mpjax._src.autocast import UNTOUCHED_SCOPE, untouched_reason
 
 # -- the lowered StableHLO module, walked through the MLIR bindings ------------------------
 
@@ -335,6 +335,7 @@ class _Lowered:
     converts: int = 0
     risks: list[Risk] = dataclasses.field(default_factory=list)
     untouched: list[str] = dataclasses.field(default_factory=list)
+    untouched_why: list[str] = dataclasses.field(default_factory=list)
     collectives: list[Collective] = dataclasses.field(default_factory=list)
 
 
@@ -349,9 +350,12 @@ def read_module(module: Any) -> _Lowered:
             if name and UNTOUCHED_SCOPE + ":" in name:
                 # Under vmap or another transform the scope is wrapped:
                 # "vmap(vmap(mpjax_untouched:stack))/...": the name ends at the first ")" or "/".
-                prim = re.split(r"[/)]", name.split(UNTOUCHED_SCOPE + ":", 1)[1], maxsplit=1)[0]
+                # "mpjax_untouched:shard_map:not-rebuilt": the primitive, then why (if given).
+                scope = re.split(r"[/)]", name.split(UNTOUCHED_SCOPE + ":", 1)[1], maxsplit=1)[0]
+                prim, _, code = scope.partition(":")
                 if prim not in found.untouched:
                     found.untouched.append(prim)
+                    found.untouched_why.append(untouched_reason(prim, code))
             if kind == "stablehlo.convert":
                 found.converts += 1
             elif kind in _STABLEHLO_COLLECTIVES:

@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import functools
 import gc
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -46,6 +47,20 @@ from mpjax._src.rules import (  # the dtype rules; this module is the machinery 
 from mpjax._src.rules import target_dtype as _target_dtype
 
 UNTOUCHED_SCOPE = "mpjax_untouched"
+# The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).
+NOT_REBUILT = "not-rebuilt"
+
+
+def untouched_reason(prim: str, code: str = "") -> str:
+    """Why autocast left `prim` in its traced dtypes, from its ``mpjax_untouched`` scope."""
+    if code == NOT_REBUILT:
+        return "autocast could not rebuild its body: it ran in its traced dtypes"
+    return ops.UNTOUCHED_OPS.get(prim, "a primitive autocast does not know: runs as traced")
+
+
+class UntouchedWarning(UserWarning):
+    """A sub-program autocast meant to rebuild runs in its traced dtypes instead."""
+
 
 # Calls inlined into the surrounding evaluation; custom-derivative calls, whose rules (jvp,
 # fwd, bwd) run under the policy too; and the higher-order primitives rebuilt with autocast
@@ -97,9 +112,15 @@ class Context:
     the use analysis per sub-jaxpr."""
 
     def __init__(
-        self, policy: Policy, regions: Mapping[str, Policy], rules: interpret.Rules | None = None
+        self,
+        policy: Policy,
+        regions: Mapping[str, Policy],
+        rules: interpret.Rules | None = None,
+        strict: bool = False,
     ):
         self.policy = policy
+        # Raise instead of running a sub-program in its traced dtypes (autocast(strict=True)).
+        self.strict = strict
         self.by_marker = {
             F32_REGION: "f32",
             HALF_REGION: "half",
@@ -556,7 +577,7 @@ def _trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None)
     """`body` traced at `avals` under autocast, its float32 islands made remat regions."""
     try:
         return remat_islands(jc.trace(body, avals, context), context)
-    except (ImportError, AttributeError) as e:  # JAX internals moved
+    except ImportError as e:  # JAX internals moved (an AttributeError is a bug: it propagates)
         raise _CannotRebuild(str(e)) from None
 
 
@@ -797,9 +818,11 @@ def _eval_remat(
     return outs, learnt["holds"]
 
 
-def _bind_untouched(eqn: Any, invals: list[Any]) -> Any:
-    # Marked in the HLO metadata so that the audit can show where autocast stood aside.
-    with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}"):
+def _bind_untouched(eqn: Any, invals: list[Any], code: str = "") -> Any:
+    # Marked in the HLO metadata so that the audit can show where autocast stood aside, and why
+    # (untouched_reason reads the scope back).
+    suffix = f":{code}" if code else ""
+    with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}{suffix}"):
         return jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
 
 
@@ -857,20 +880,44 @@ def _rebuild_rule(
         args = _to_traced(invals, [v.aval for v in eqn.invars])
         out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
         return _results(eqn, out)
-    except _CannotRebuild:
+    except _CannotRebuild as e:
         if name in interpret.REMATS:  # lose the remat, keep the precision
             outs, holds, _ = _eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
             return outs, holds
-        return _untouched_rule(ctx, eqn, invals, env, facts, mode, tb)
+        why = f"autocast could not rebuild its body ({e})"
+        _refuse_or_warn(ctx, eqn, why, warn=True)
+        return _results(eqn, _bind_untouched(eqn, invals, NOT_REBUILT))
 
 
 @RULES.set_higher_order
 def _untouched_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
-    """A higher-order primitive autocast does not know (or cannot rebuild): as traced."""
+    """A higher-order primitive autocast does not know, or leaves alone by design: as traced."""
+    name = eqn.primitive.name
+    _refuse_or_warn(ctx, eqn, untouched_reason(name), warn=name not in ops.UNTOUCHED_OPS)
     out = _bind_untouched(eqn, invals)
     return _results(eqn, out)
+
+
+def _refuse_or_warn(ctx: Context, eqn: Any, why: str, warn: bool) -> None:
+    """A sub-program about to run in its traced dtypes: an error under strict=True, else a
+    warning where autocast did not mean to leave it (the audit lists it either way)."""
+    name = eqn.primitive.name
+    where = jc.summarize_source(eqn.source_info)
+    if ctx.strict:
+        raise ValueError(
+            f"autocast(strict=True): the {name} at {where} would run in its traced dtypes, "
+            f"not under the policy: {why}. Leave strict off to run it as traced (the audit "
+            "lists it under 'untouched'), or move it out of the function autocast wraps."
+        )
+    if warn:
+        warnings.warn(
+            f"mpjax.autocast: the {name} at {where} runs in its traced dtypes, not under the "
+            f"policy: {why}. The audit lists it; autocast(..., strict=True) raises instead.",
+            UntouchedWarning,
+            stacklevel=2,
+        )
 
 
 def bind_with_bodies(
@@ -1204,6 +1251,7 @@ def autocast(
     *,
     rules: Mapping[str, Policy] | None = None,
     cast_outputs: bool | Callable[[Any], Sequence[bool]] = True,
+    strict: bool = False,
 ) -> Callable[..., Any]:
     """Returns `fn` run under `policy`, op by op.
 
@@ -1215,8 +1263,11 @@ def autocast(
 
     The result is differentiable and jittable, and works inside and around jit, vmap and
     scan. It recurses into jit, custom_jvp/custom_vjp (keeping their rules), scan, while,
-    cond and remat; a primitive it does not know runs in its traced dtypes, under a
-    ``mpjax_untouched`` name scope that the audit can show. At O0 `fn` is returned as-is.
+    cond, remat and shard_map; a primitive it does not know, or leaves alone by design
+    (linear algebra, collectives), runs in its traced dtypes under a ``mpjax_untouched`` name
+    scope, and the audit lists it with the reason. A sub-program (a body) left that way warns
+    unless autocast leaves it by design; ``strict=True`` raises instead. At O0 `fn` is
+    returned as-is.
 
     Memory: float32 values computed from half ones (a softmax, a norm's statistics, a loss)
     are recomputed for the backward pass from those half values (a ``jax.checkpoint`` region
@@ -1232,6 +1283,9 @@ def autocast(
         a function of the output tree structure giving one bool per output leaf: those marked
         come back in the dtype `fn` itself returns, the rest as computed (the Flax wrappers
         return mutable collections this way).
+      strict: raise a ValueError, naming the primitive and the reason, where a sub-program
+        (a loop, a shard_map or custom-rule body, a higher-order primitive) would run in its
+        traced dtypes instead of under the policy. Default False: it runs as traced.
 
     Returns:
       A function with `fn`'s signature.
@@ -1272,7 +1326,7 @@ def autocast(
     if policy.level == "O0" and not rules:
         return fn
     hardware.warn_if_slow(policy)
-    ctx = Context(policy, dict(rules or {}))
+    ctx = Context(policy, dict(rules or {}), strict=strict)
 
     cache: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 

@@ -8,7 +8,8 @@ shard_map's manual axes, HLO source locations).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -173,34 +174,59 @@ class CannotRebuild(Exception):
     """A sub-jaxpr cannot be rebuilt in this JAX version; the equation then runs as traced."""
 
 
-@contextlib.contextmanager
-def shard_map_context(params: dict[str, Any]) -> Iterator[None]:
+class shard_map_context:  # noqa: N801 - used as a context manager, as contextlib's are
     """The axis environment, manual mesh and vma checking that shard_map traces its body in.
 
-    JAX 0.6.1+ (``jax._src.shard_map``). In 0.6.0 shard_map bodies run as traced
-    (CannotRebuild). The equation names the axes it makes manual ``manual_axes`` in JAX
-    0.6.1-0.10.1 and ``newly_manual_axes`` from 0.10.2; either way they exclude the axes an
-    enclosing shard_map already made manual (``mesh.manual_axes``).
+    Reusable: each ``with`` enters it afresh, since a body is traced more than once (autocast's
+    trace, then the float32 islands' retrace). A one-shot ``contextlib.contextmanager`` fails
+    on the second entry.
+
+    JAX 0.6.1+ keeps shard_map in ``jax._src.shard_map``; 0.6.0 in ``jax.experimental``, with
+    the axes left automatic (``auto``) and ``check_rep`` in its params. From 0.6.1 the equation
+    names the axes it makes manual ``manual_axes`` (to 0.10.1) or ``newly_manual_axes`` (from
+    0.10.2); either way they exclude the axes an enclosing shard_map already made manual
+    (``mesh.manual_axes``).
     """
-    try:
+
+    def __init__(self, params: dict[str, Any]):
         from jax._src import config
-        from jax._src import shard_map as shard_map_internal
         from jax._src.mesh import use_abstract_mesh
-    except ImportError:
-        raise CannotRebuild("shard_map bodies are rebuilt from JAX 0.6.1 on") from None
-    mesh = params["mesh"]
-    manual = params.get("newly_manual_axes", params.get("manual_axes"))
-    if manual is None:  # renamed again: binding no axis would fail on the body's collectives
-        raise CannotRebuild("shard_map equation without newly_manual_axes/manual_axes")
-    # 0.6.x's _as_manual_mesh wants every manual axis (its staging rule adds mesh.manual_axes);
-    # 0.7+ keeps the mesh's manual axes anyway, so adding them there changes nothing.
-    all_manual = frozenset(manual) | frozenset(mesh.manual_axes)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(shard_map_internal._extend_axis_env(mesh, manual))
-        stack.enter_context(use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, all_manual)))
-        if hasattr(config, "_check_vma"):
-            stack.enter_context(config._check_vma(params.get("check_vma", True)))
-        yield
+
+        mesh = params["mesh"]
+        self._stacks: list[contextlib.ExitStack] = []
+        if "auto" in params and "check_rep" in params:  # JAX 0.6.0: jax.experimental.shard_map
+            old: Any = importlib.import_module("jax.experimental.shard_map")
+            auto, check = params["auto"], getattr(config, "_check_rep")  # noqa: B009 - 0.6.0 only
+            self._enter = [
+                lambda: old._extend_axis_env(mesh, auto),
+                lambda: use_abstract_mesh(old._as_manual_mesh(mesh, auto)),
+                lambda: check(params["check_rep"]),
+            ]
+            return
+        from jax._src import shard_map as shard_map_internal
+
+        manual = params.get("newly_manual_axes", params.get("manual_axes"))
+        if manual is None:  # renamed again: binding no axis would fail on the body's collectives
+            raise CannotRebuild("shard_map equation without newly_manual_axes/manual_axes")
+        # 0.6.x's _as_manual_mesh wants every manual axis (its staging rule adds
+        # mesh.manual_axes); 0.7+ keeps the mesh's manual axes anyway, so adding them there
+        # changes nothing.
+        all_manual = frozenset(manual) | frozenset(mesh.manual_axes)
+        check = getattr(config, "_check_vma", None)
+        self._enter = [
+            lambda: shard_map_internal._extend_axis_env(mesh, manual),
+            lambda: use_abstract_mesh(shard_map_internal._as_manual_mesh(mesh, all_manual)),
+            *([lambda: check(params.get("check_vma", True))] if check is not None else []),
+        ]
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for make in self._enter:
+            stack.enter_context(make())
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._stacks.pop().__exit__(*exc)
 
 
 def saved_residuals(f: Callable[..., Any], *args: Any) -> list[tuple[Any, bool]]:
