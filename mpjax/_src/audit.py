@@ -39,7 +39,14 @@ def _lower(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     return jax.jit(flat).lower(*[leaves[i] for i in dynamic])
 
 
-def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: Any) -> AuditReport:
+def audit(
+    fn: Callable[..., Any],
+    *args: Any,
+    compile: bool = True,
+    target: str | None = None,
+    gemm: str = "cublas",
+    **kwargs: Any,
+) -> AuditReport:
     """Reports what `fn` runs in which precision, read from its lowered program.
 
     Lowers ``fn(*args, **kwargs)`` (jitted or not) to StableHLO and walks the module through
@@ -52,6 +59,12 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
     runs its sites) counts as FP8: ``report.fp8_matmuls`` and ``report.fp8_flop_share``.
     With `compile`, it also reads the backend's optimized HLO (text, the only form XLA gives)
     to show the dtypes the matmuls really run in.
+
+    With `target` (``"h100"``, or a GpuTargetConfig text proto for another GPU), it compiles
+    the program XLA would run on that GPU, from any machine, CPU-only ones included (JAX's
+    CUDA plugin must be installed; no GPU or NVIDIA library is needed), and ``report.gpu``
+    lists its kernels by kind, the bytes they move, its gemms' dtypes (half, float32, FP8),
+    its temp memory and the narrowing casts XLA folded away.
 
     It takes anything :func:`mpjax.autocast` accepts: `fn` plain, jitted (``jax.jit``,
     ``eqx.filter_jit``) or autocast, its arguments pytrees whose array leaves (or
@@ -68,6 +81,10 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
       fn: the function, e.g. a jitted train step.
       *args: its arguments: pytrees of arrays or ``jax.ShapeDtypeStruct``, and static leaves.
       compile: also compile and read the optimized HLO (default True).
+      target: a GPU to compile for instead of this machine's backend: "h100" or a
+        GpuTargetConfig text proto. The arguments' arrays stand for arrays on that GPU.
+      gemm: with `target`: "cublas" (default; every matmul a cuBLAS call, as no autotuning
+        runs without the GPU) or "triton" (XLA's default path, untuned tiles).
       **kwargs: its keyword arguments.
 
     Returns:
@@ -89,6 +106,8 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
     """
     if not callable(fn):
         raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
+    if target is not None:
+        return _audit_on_gpu(fn, args, kwargs, target, gemm)
     lowered = _lower(fn, args, kwargs)
     found = read_module(lowered.compiler_ir("stablehlo"))
     compiled = None
@@ -112,4 +131,29 @@ def audit(fn: Callable[..., Any], *args: Any, compile: bool = True, **kwargs: An
         compiled_matmuls=compiled,
         backend=jax.default_backend(),
         collectives=tuple(found.collectives),
+    )
+
+
+def _audit_on_gpu(
+    fn: Callable[..., Any], args: Any, kwargs: Any, target: str, gemm: str
+) -> AuditReport:
+    """The audit of the program XLA compiles for GPU `target` (see :func:`audit`)."""
+    from mpjax._src import gpu_program
+
+    args, kwargs = gpu_program.on_target((args, kwargs), target)
+    lowered = _lower(fn, args, kwargs)
+    found = read_module(lowered.compiler_ir("stablehlo"))
+    compiled = gpu_program.compile_lowered(lowered, gemm)
+    program = gpu_program.read_program(lowered, compiled, target, gemm)
+    compiled_matmuls, inserted = parse_compiled(compiled.as_text())
+    return AuditReport(
+        matmuls=tuple(found.matmuls),
+        converts=found.converts,
+        risks=tuple(found.risks),
+        untouched=tuple(found.untouched),
+        compiled_matmuls=tuple(compiled_matmuls),
+        backend="gpu",
+        collectives=tuple(found.collectives + inserted),
+        untouched_why=tuple(found.untouched_why),
+        gpu=program,
     )

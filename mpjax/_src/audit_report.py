@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from mpjax._src.autocast import UNTOUCHED_SCOPE
+from mpjax._src.gpu_program import GpuProgram
 
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -92,6 +93,9 @@ class AuditReport:
       collectives: all-reduces, reduce-scatters, all-gathers and all-to-alls with their
         dtypes, explicit ("lowered"), placed by the SPMD partitioner for sharded arrays
         ("partitioned", with bytes per device) and in the optimized program ("compiled").
+      untouched_why: why autocast left each of ``untouched`` in its traced dtype.
+      gpu: with ``audit(..., target=)``, the program XLA compiled for that GPU: kernels by
+        kind, bytes moved, gemm dtypes, temp memory, folded casts (a ``GpuProgram``).
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -108,6 +112,7 @@ class AuditReport:
     backend: str
     collectives: tuple[Collective, ...] = ()
     untouched_why: tuple[str, ...] = ()
+    gpu: GpuProgram | None = None
 
     def collective_bytes(self) -> dict[str, int]:
         """Bytes per device that the partitioned program's collectives move, by dtype.
@@ -222,6 +227,7 @@ class AuditReport:
             "compiled_matmuls": None
             if self.compiled_matmuls is None
             else [{"kind": k, "operand_dtypes": list(d)} for k, d in self.compiled_matmuls],
+            "gpu": None if self.gpu is None else self.gpu.to_dict(),
         }
 
     def assert_matmuls_in(self, dtype: Any) -> None:
@@ -345,6 +351,8 @@ class AuditReport:
         if self.compiled_matmuls is not None:
             kinds = sorted({" x ".join(d) for _, d in self.compiled_matmuls if d})
             rows += ["", f"backend runs matmuls as: {'; '.join(kinds) or 'none found'}"]
+        if self.gpu is not None:
+            rows += ["", str(self.gpu)]
         return "\n".join(rows)
 
 

@@ -1,0 +1,510 @@
+"""The program XLA compiles for an NVIDIA GPU, read on any machine: its kernels by kind, the
+bytes they move, the dtypes its gemms run in and its compiled memory.
+
+JAX compiles for a GPU it does not have through a compile-only topology of the CUDA plugin
+(``jax.experimental.topologies``): XLA's whole GPU pipeline runs (fusion, gemm rewriting,
+scheduling), and the compiled program's text is the optimized GPU HLO. Without a device XLA
+cannot autotune, so gemms are compared as cuBLAS calls (``gemm="cublas"``, the default); XLA's
+default path (``gemm="triton"``) gets untuned Triton tiles.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib
+import math
+import os
+import re
+from typing import Any
+
+import jax
+
+# A GpuTargetConfig text proto (xla/stream_executor/device_description.proto) for an H100 SXM,
+# as openxla/xla#25919 and jax-ml/jax#28376 show one.
+H100 = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84929347584
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+runtime_version { major: 12 minor: 8 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+TARGETS = {"h100": H100}
+
+# XLA options per gemm path: without a device no autotuning, so cuBLAS calls compare variants
+# on equal terms; "triton" is XLA's default path with its untuned tiles.
+_GEMM_OPTIONS: dict[str, dict[str, Any]] = {
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+    "triton": {},
+}
+
+_PLUGINS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+
+
+def _install_hint() -> str:
+    v = jax.__version__
+    return (
+        "compiling for a GPU target needs JAX's CUDA plugin (no GPU or NVIDIA libraries): "
+        f"pip install --no-deps jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}"
+    )
+
+
+def _topology(config: str) -> Any:
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=config)
+    except NotImplementedError:
+        pass
+    # The plugin refuses to register where its CUDA version check finds no CUDA, which is a
+    # compile-only machine's case; registering it again past that check gives the topology.
+    for name in _PLUGINS:
+        try:
+            plugin = importlib.import_module(name)
+        except ImportError:
+            continue
+        saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+        try:
+            plugin.initialize()
+        finally:
+            if saved is None:
+                del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+        try:
+            return topologies.get_topology_desc(
+                platform="cuda", topology="1x1x1", target_config=config
+            )
+        except NotImplementedError:
+            continue
+    raise RuntimeError(_install_hint())
+
+
+_SHARDINGS: dict[str, Any] = {}
+
+
+def _sharding(target: str) -> Any:
+    """A replicated sharding on `target`'s one compile-only device."""
+    config = TARGETS.get(target, target)
+    if "gpu_device_info" not in config:
+        raise ValueError(
+            f"unknown GPU target {target!r}: use one of {sorted(TARGETS)} or pass a "
+            "GpuTargetConfig text proto (its gpu_device_info as XLA's "
+            "device_description.proto has it)."
+        )
+    if config not in _SHARDINGS:
+        from jax.experimental import topologies
+
+        mesh = topologies.make_mesh(_topology(config), (1,), ("x",))
+        _SHARDINGS[config] = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return _SHARDINGS[config]
+
+
+def _abstract(leaf: Any, sharding: Any) -> Any:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        weak = bool(getattr(leaf, "weak_type", False))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=weak)
+    return leaf
+
+
+def on_target(tree: Any, target: str = "h100") -> Any:
+    """`tree` with every array leaf a ``jax.ShapeDtypeStruct`` on `target`'s compile-only
+    device: what a jitted function lowers for that GPU."""
+    sharding = _sharding(target)
+    return jax.tree_util.tree_map(lambda x: _abstract(x, sharding), tree)
+
+
+def compile_lowered(
+    lowered: Any, gemm: str = "cublas", options: dict[str, Any] | None = None
+) -> Any:
+    """XLA's compile of `lowered` (lowered for a GPU target) on the `gemm` path."""
+    if gemm not in _GEMM_OPTIONS:
+        raise ValueError(f"gemm must be one of {sorted(_GEMM_OPTIONS)}, got {gemm!r}.")
+    merged = {**_GEMM_OPTIONS[gemm], **(options or {})}
+    return lowered.compile(compiler_options=merged or None)
+
+
+# -- reading the optimized HLO -------------------------------------------------------------
+
+_BITS = {"pred": 8, "token": 0}
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
+_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
+_CALLS = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation|"
+    r"branch_computations)=(\{[^}]*\}|%?[^\s,}]+)"
+)
+# Instructions that launch nothing.
+_FREE = {
+    "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier",
+    "after-all", "add-dependency", "domain", "partition-id", "replica-id",
+}  # fmt: skip
+_CONTROL = {"call", "while", "conditional", "async-start"}
+_COLLECTIVES = {
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+    "collective-broadcast", "ragged-all-to-all",
+}  # fmt: skip
+_FLOATS = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+
+
+def _element_bits(dtype: str) -> int:
+    if dtype in _BITS:
+        return _BITS[dtype]
+    m = re.match(r"[a-z]+?(\d+)", dtype)  # f8e4m3fn -> 8, s4 -> 4, bf16 -> 16
+    return int(m.group(1)) if m else 0
+
+
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
+
+
+def _bytes(shape: str, library: bool = False) -> int:
+    arrays = _arrays(shape)
+    if library and shape.startswith("(") and len(arrays) > 1 and arrays[-1][0] == "s8":
+        arrays = arrays[:-1]  # a cuBLAS or cuDNN call's scratch workspace
+    return sum(math.prod(d) * _element_bits(t) // 8 for t, d in arrays)
+
+
+def _close(s: str, i: int) -> int:
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] in "([{":
+            depth += 1
+        elif s[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return len(s) - 1
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: str
+    operands: list[str]
+    attrs: str
+
+
+@dataclasses.dataclass
+class _Computation:
+    entry: bool
+    instrs: list[_Instr] = dataclasses.field(default_factory=list)
+    shapes: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _parse(text: str) -> dict[str, _Computation]:
+    comps: dict[str, _Computation] = {}
+    cur: _Computation | None = None
+    for line in text.splitlines():
+        if cur is None:
+            h = _HEADER.match(line)
+            if h:
+                cur = comps[h.group(2)] = _Computation(bool(h.group(1)))
+            continue
+        if line.strip() == "}":
+            cur = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, rest = m.group(2), m.group(3)
+        if rest.startswith("("):
+            j = _close(rest, 0)
+            shape, rest = rest[: j + 1], rest[j + 1 :].lstrip()
+        else:
+            shape, _, rest = rest.partition(" ")
+        op = re.match(r"([\w\-$.]+)\(", rest)
+        if not op:
+            continue
+        j = _close(rest, op.end() - 1)
+        operands = _operand_names(rest[op.end() : j])
+        cur.shapes[name] = shape
+        cur.instrs.append(_Instr(name, shape, op.group(1), operands, rest[j + 1 :]))
+    return comps
+
+
+def _operand_names(inside: str) -> list[str]:
+    """The operand names of an instruction's parenthesis: ``f32[8]{0} %a, %b`` (optimized
+    text) or ``a, b`` (a lowering's text)."""
+    names, depth, start = [], 0, 0
+    for i, c in enumerate(inside + ","):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            piece = inside[start:i].strip()
+            if piece:
+                names.append(piece.split()[-1].lstrip("%"))
+            start = i + 1
+    return names
+
+
+def _called(attrs: str) -> list[str]:
+    return [
+        n.strip().lstrip("%")
+        for group in _CALLS.findall(attrs)
+        for n in group.strip("{}").split(",")
+        if n.strip()
+    ]
+
+
+def _find(comps: dict[str, _Computation], names: list[str], opcode: str) -> _Instr | None:
+    """The first `opcode` instruction in computations `names` or those they call."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in comps:
+            continue
+        seen.add(n)
+        for ins in comps[n].instrs:
+            if ins.opcode == opcode:
+                return ins
+            todo += _called(ins.attrs)
+    return None
+
+
+def _dtype_of(comps: dict[str, _Computation], names: list[str], operand: str) -> str:
+    for n in names:
+        if n in comps and operand in comps[n].shapes:
+            arrays = _arrays(comps[n].shapes[operand])
+            if arrays:
+                return arrays[0][0]
+    return "?"
+
+
+def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, ...]]:
+    """The kernel's kind and, for a gemm, its operands' element types."""
+    attrs = ins.attrs
+    if ins.opcode == "custom-call":
+        found = re.search(r'custom_call_target="([^"]+)"', attrs)
+        target = found.group(1) if found else "?"
+        if target.startswith("__cublas"):
+            return "gemm", ()
+        if target.startswith("__cudnn$conv"):
+            return "conv", ()
+        return "custom-call", ()
+    if ins.opcode == "fusion":
+        called = _called(attrs)
+        fusion_kind = re.search(r"kind=(k\w+)", attrs)
+        kind = fusion_kind.group(1) if fusion_kind else "?"
+        if kind == "kCustom":
+            backend = re.search(r'"kind":"([^"]+)"', attrs)
+            name = backend.group(1) if backend else "?"
+            dot = _find(comps, called, "dot")
+            if dot is not None:
+                scope = [c for c in comps if dot.name in comps[c].shapes]
+                types = tuple(_dtype_of(comps, scope, o) for o in dot.operands[:2])
+                return "gemm", types
+            if _find(comps, called, "convolution") is not None:
+                return "conv", ()
+            return ("softmax" if name == "__triton" else "custom-fusion"), ()
+        if _find(comps, called, "reduce") is not None or _find(comps, called, "reduce-window"):
+            return "reduction", ()
+        if kind == "kInput" and _find(comps, called, "transpose") is not None:
+            return "copy/transpose", ()
+        return ("loop" if kind in ("kLoop", "kInput") else kind.lower().lstrip("k")), ()
+    if ins.opcode in ("dot",):
+        return "gemm", ()
+    if ins.opcode in ("convolution",):
+        return "conv", ()
+    if ins.opcode in ("reduce", "reduce-window"):
+        return "reduction", ()
+    if ins.opcode in ("copy", "transpose", "copy-start"):
+        return "copy/transpose", ()
+    base = ins.opcode.removesuffix("-start")
+    if base in _COLLECTIVES:
+        return "collective", ()
+    return ins.opcode, ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel the compiled program launches.
+
+    Attributes:
+      name: the HLO instruction's name.
+      kind: gemm, conv, loop, reduction, softmax (a Triton fusion), copy/transpose,
+        collective, or the instruction's opcode.
+      bytes: the bytes it reads and writes: its operands and results (a library call's
+        workspace left out), as if each were read and written once.
+      gemm_dtypes: a gemm's operand element types (``("bf16", "bf16")``), else ().
+      loop: the while loop or call it runs in, if any ("" at the top level).
+    """
+
+    name: str
+    kind: str
+    bytes: int
+    gemm_dtypes: tuple[str, ...] = ()
+    loop: str = ""
+
+
+def read_kernels(text: str) -> list[Kernel]:
+    """The kernels of optimized GPU HLO `text` that its entry computation launches, through
+    calls, loops and conditionals (each body once)."""
+    comps = _parse(text)
+    entry = next((n for n, c in comps.items() if c.entry), None)
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    found: list[Kernel] = []
+
+    def walk(name: str, via: str, depth: int) -> None:
+        comp = comps[name]
+        for ins in comp.instrs:
+            if ins.opcode in _FREE or ins.opcode.endswith("-done"):
+                continue
+            if ins.opcode in _CONTROL and depth < 16:
+                for c in _called(ins.attrs):
+                    if c in comps:
+                        walk(c, via or ins.name, depth + 1)
+                continue
+            kind, types = _kind(ins, comps)
+            if kind == "gemm" and not types:
+                types = tuple(
+                    (_arrays(comp.shapes.get(o, "")) or [("?", ())])[0][0] for o in ins.operands[:2]
+                )
+            library = ins.opcode == "custom-call"
+            moved = _bytes(ins.shape, library) + sum(
+                _bytes(comp.shapes.get(o, "")) for o in ins.operands
+            )
+            found.append(Kernel(ins.name, kind, moved, types, via))
+
+    walk(entry, "", 0)
+    return found
+
+
+def narrowing_pairs(text: str) -> int:
+    """How many ``convert(convert(x: wide) -> narrow) -> wide`` pairs HLO `text` holds (the
+    rounding a program asks for with ``x.astype(bf16).astype(f32)``)."""
+    count = 0
+    for comp in _parse(text).values():
+        by_name = {i.name: i for i in comp.instrs}
+        for ins in comp.instrs:
+            if ins.opcode != "convert" or not ins.operands:
+                continue
+            inner = by_name.get(ins.operands[0])
+            if inner is None or inner.opcode != "convert" or not inner.operands:
+                continue
+            wide, mid = _arrays(ins.shape), _arrays(inner.shape)
+            src = _arrays(comp.shapes.get(inner.operands[0], ""))
+            if not (wide and mid and src):
+                continue
+            w, m, s = wide[0][0], mid[0][0], src[0][0]
+            if w in _FLOATS and s in _FLOATS and m in _FLOATS and w == s:
+                if _element_bits(m) < _element_bits(w):
+                    count += 1
+    return count
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProgram:
+    """The program XLA compiled for a GPU target: what :func:`mpjax.audit` shows with
+    ``target=``.
+
+    Attributes:
+      target: the target's name ("h100") or "custom".
+      gemm: the gemm path compiled ("cublas": every matmul a cuBLAS call; "triton": XLA's
+        default, with untuned tiles on a machine without the GPU).
+      kernels: every kernel launched (see :class:`Kernel`).
+      temp_bytes: the compiled program's temporary memory, from ``memory_analysis()``.
+      narrowing_casts: narrow-then-widen cast pairs in the program before XLA's passes.
+      folded_casts: how many of those the optimized program no longer has: the rounding
+        they asked for is gone (on GPUs XLA folds ``x.astype(bf16).astype(f32)`` to ``x``,
+        openxla/xla#41605).
+    """
+
+    target: str
+    gemm: str
+    kernels: tuple[Kernel, ...]
+    temp_bytes: int
+    narrowing_casts: int = 0
+    folded_casts: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        """The bytes every kernel reads and writes, summed."""
+        return sum(k.bytes for k in self.kernels)
+
+    def by_kind(self) -> dict[str, tuple[int, int]]:
+        """{kind: (kernels, bytes moved)}, the most bytes first."""
+        acc: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+        for k in self.kernels:
+            acc[k.kind][0] += 1
+            acc[k.kind][1] += k.bytes
+        return {k: (v[0], v[1]) for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1])}
+
+    def gemm_dtypes(self) -> dict[str, int]:
+        """{"bf16 x bf16": gemms, ...}: what the gemms run in."""
+        return dict(
+            collections.Counter(" x ".join(k.gemm_dtypes) for k in self.kernels if k.kind == "gemm")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "gemm": self.gemm,
+            "kernels": len(self.kernels),
+            "bytes_moved": self.bytes_moved,
+            "by_kind": {k: {"kernels": n, "bytes": b} for k, (n, b) in self.by_kind().items()},
+            "gemm_dtypes": self.gemm_dtypes(),
+            "temp_bytes": self.temp_bytes,
+            "narrowing_casts": self.narrowing_casts,
+            "folded_casts": self.folded_casts,
+        }
+
+    def __str__(self) -> str:
+        rows = [
+            f"{self.target} program ({self.gemm} gemms): {len(self.kernels)} kernels, "
+            f"{self.bytes_moved / 2**20:.1f} MiB moved, temp {self.temp_bytes / 2**20:.1f} MiB",
+            f"  {'kind':<16}{'kernels':>8}{'MiB':>10}",
+        ]
+        rows += [f"  {k:<16}{n:>8}{b / 2**20:>10.1f}" for k, (n, b) in self.by_kind().items()]
+        rows.append(
+            "  gemms: " + ", ".join(f"{n} {d}" for d, n in sorted(self.gemm_dtypes().items()))
+        )
+        if self.folded_casts:
+            rows.append(
+                f"  {self.folded_casts} of {self.narrowing_casts} narrowing cast pairs "
+                "(x.astype(half).astype(float32)) folded away: their rounding does not happen"
+            )
+        return "\n".join(rows)
+
+
+def read_program(lowered: Any, compiled: Any, target: str, gemm: str) -> GpuProgram:
+    """The :class:`GpuProgram` of a lowering and its GPU compile."""
+    text = compiled.as_text()
+    try:
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without memory analysis
+        temp = -1
+    before = narrowing_pairs(lowered.as_text(dialect="hlo"))
+    after = narrowing_pairs(text)
+    return GpuProgram(
+        target if target in TARGETS else "custom",
+        gemm,
+        tuple(read_kernels(text)),
+        temp,
+        before,
+        max(0, before - after),
+    )

@@ -1,0 +1,153 @@
+"""The GPU program read on any machine (mpjax/_src/gpu_program.py): the optimized HLO's kernels,
+bytes and gemm dtypes, and mpjax.audit(..., target="h100") where JAX's CUDA plugin is
+installed (CI installs it for the slow set on the newest JAX)."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpjax
+from mpjax._src import gpu_program
+
+HAS_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and any(
+    importlib.util.find_spec(name) is not None
+    for name in ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+)
+needs_plugin = pytest.mark.skipif(not HAS_PLUGIN, reason="JAX's CUDA plugin is not installed")
+
+# Optimized GPU HLO as XLA prints it (cut down from an H100 compile of a dense layer's step):
+# a cuBLAS gemm with its workspace, a loop fusion, a reduction, a while loop whose body
+# launches one fusion per iteration, and free instructions.
+_OPTIMIZED = """
+HloModule jit_step, entry_computation_layout={(f32[64,32]{1,0}, bf16[8,64]{1,0})->f32[64,32]{1,0}}
+
+%fused_convert (param_0: f32[64,32]) -> bf16[64,32] {
+  %param_0 = f32[64,32]{1,0} parameter(0)
+  ROOT %convert.1 = bf16[64,32]{1,0} convert(%param_0)
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%fused_reduce (param_0.1: bf16[8,32]) -> f32[32] {
+  %param_0.1 = bf16[8,32]{1,0} parameter(0)
+  %convert.2 = f32[8,32]{1,0} convert(%param_0.1)
+  %zero = f32[] constant(0)
+  ROOT %reduce.1 = f32[32]{0} reduce(%convert.2, %zero), dimensions={0}, to_apply=%add
+}
+
+%body (p: (s32[], f32[32])) -> (s32[], f32[32]) {
+  %p = (s32[], f32[32]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %v = f32[32]{0} get-tuple-element(%p), index=1
+  %fusion.9 = f32[32]{0} fusion(%v), kind=kLoop, calls=%fused_negate
+  ROOT %t = (s32[], f32[32]{0}) tuple(%i, %fusion.9)
+}
+
+%fused_negate (param_0.2: f32[32]) -> f32[32] {
+  %param_0.2 = f32[32]{0} parameter(0)
+  ROOT %negate.1 = f32[32]{0} negate(%param_0.2)
+}
+
+%cond (p.1: (s32[], f32[32])) -> pred[] {
+  %p.1 = (s32[], f32[32]{0}) parameter(0)
+  ROOT %c = pred[] constant(false)
+}
+
+ENTRY %main (w: f32[64,32], x: bf16[8,64]) -> f32[64,32] {
+  %w = f32[64,32]{1,0} parameter(0)
+  %x = bf16[8,64]{1,0} parameter(1)
+  %fusion = bf16[64,32]{1,0} fusion(%w), kind=kLoop, calls=%fused_convert
+  %custom-call = (bf16[8,32]{1,0}, s8[4194304]{0}) custom-call(%x, %fusion), \
+custom_call_target="__cublas$lt$matmul"
+  %gte = bf16[8,32]{1,0} get-tuple-element(%custom-call), index=0
+  %fusion.2 = f32[32]{0} fusion(%gte), kind=kInput, calls=%fused_reduce
+  %init = (s32[], f32[32]{0}) tuple(%c0, %fusion.2)
+  %while = (s32[], f32[32]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[64,32]{1,0} copy(%w)
+}
+"""
+
+
+def test_kernels_of_optimized_gpu_hlo_by_kind_with_their_bytes():
+    kernels = gpu_program.read_kernels(_OPTIMIZED.replace("\\\n", ""))
+    assert [(k.name, k.kind) for k in kernels] == [
+        ("fusion", "loop"),
+        ("custom-call", "gemm"),
+        ("fusion.2", "reduction"),
+        ("fusion.9", "loop"),
+        ("out", "copy/transpose"),
+    ]
+    by_name = {k.name: k for k in kernels}
+    # The gemm reads x (8x64 bf16) and the cast kernel's result (64x32 bf16) and writes
+    # 8x32 bf16; its 4 MiB cuBLAS workspace is not data the step moves.
+    assert by_name["custom-call"].bytes == 2 * (8 * 64 + 64 * 32 + 8 * 32)
+    assert by_name["custom-call"].gemm_dtypes == ("bf16", "bf16")
+    assert by_name["fusion"].bytes == 64 * 32 * (4 + 2)
+    assert by_name["fusion.2"].bytes == 8 * 32 * 2 + 32 * 4
+    assert by_name["fusion.9"].loop == "while"  # launched by the loop's body
+    program = gpu_program.GpuProgram("h100", "cublas", tuple(kernels), 0)
+    assert program.bytes_moved == sum(k.bytes for k in kernels)
+    assert program.by_kind()["loop"] == (2, 64 * 32 * 6 + 32 * 8)
+    assert program.gemm_dtypes() == {"bf16 x bf16": 1}
+    assert "5 kernels" in str(program)
+
+
+def test_narrowing_cast_pairs_are_counted_in_a_lowering():
+    pair = jax.jit(lambda v: v.astype(jnp.bfloat16).astype(jnp.float32) * 3.0)
+    once = jax.jit(lambda v: v.astype(jnp.bfloat16) * 3.0)
+    x = jnp.ones(16)
+    assert gpu_program.narrowing_pairs(pair.lower(x).as_text(dialect="hlo")) == 1
+    assert gpu_program.narrowing_pairs(once.lower(x).as_text(dialect="hlo")) == 0
+
+
+def test_a_gpu_target_without_the_plugin_says_how_to_install_it():
+    if HAS_PLUGIN:
+        pytest.skip("the plugin is installed here")
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps jax-cuda12-plugin=="):
+        mpjax.audit(lambda x: x @ x, jnp.ones((8, 8)), target="h100")
+
+
+def test_an_unknown_gpu_target_is_named():
+    with pytest.raises(ValueError, match="unknown GPU target 'h900'.*GpuTargetConfig"):
+        mpjax.audit(lambda x: x @ x, jnp.ones((8, 8)), target="h900")
+
+
+def _mlp_step(policy):
+    model = mpjax.autocast(
+        lambda p, x: jax.nn.log_softmax(jnp.tanh(x @ p[0]) @ p[1]).mean(), policy
+    )
+    return jax.jit(jax.grad(model))
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_audit_of_the_h100_program_on_a_machine_without_a_gpu():
+    params = [jnp.ones((256, 256)), jnp.ones((256, 256))]
+    x = jnp.ones((128, 256))
+    f32 = mpjax.audit(_mlp_step(mpjax.Policy.from_level("O0")), params, x, target="h100").gpu
+    bf16 = mpjax.audit(
+        _mlp_step(mpjax.Policy.from_level("O2", "bfloat16")), params, x, target="h100"
+    ).gpu
+    assert f32 is not None and bf16 is not None
+    assert f32.gemm_dtypes() == {"f32 x f32": 5}
+    assert bf16.gemm_dtypes() == {"bf16 x bf16": 5}
+    gemm_bytes = lambda p: p.by_kind()["gemm"][1]
+    assert gemm_bytes(bf16) < 0.55 * gemm_bytes(f32)
+    assert bf16.temp_bytes > 0
+    # On a GPU, XLA folds a narrow-then-widen pair: the rounding asked for does not happen.
+    fold = mpjax.audit(
+        lambda v: v.astype(jnp.bfloat16).astype(jnp.float32) * 3.0, jnp.ones(1024), target="h100"
+    ).gpu
+    assert (fold.narrowing_casts, fold.folded_casts) == (1, 1)
+    assert "folded away" in str(fold)
+    # Arrays stand for arrays on the GPU: nothing runs, shape structs work as well.
+    spec = [jax.ShapeDtypeStruct((256, 256), np.float32)] * 2
+    again = mpjax.audit(_mlp_step(mpjax.Policy.from_level("O0")), spec, x, target="h100").gpu
+    assert again.bytes_moved == f32.bytes_moved
