@@ -3,6 +3,7 @@ bytes and gemm dtypes, and mpjax.audit(..., target="h100") where JAX's CUDA plug
 installed (CI installs it for the slow set on the newest JAX)."""
 
 import importlib.util
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -151,3 +152,35 @@ def test_audit_of_the_h100_program_on_a_machine_without_a_gpu():
     spec = [jax.ShapeDtypeStruct((256, 256), np.float32)] * 2
     again = mpjax.audit(_mlp_step(mpjax.Policy.from_level("O0")), spec, x, target="h100").gpu
     assert again.bytes_moved == f32.bytes_moved
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_h100_program_of_an_o2_transformer_step_against_the_hand_written_one():
+    """The GPU-cost targets this program meets, counted in the H100 program of the
+    benchmark's Transformer step (benchmarks/gpu_program.py, tiny size): O2 with plain Adam
+    launches at most 1.10x the kernels of the better hand-written bfloat16 step, its gemms
+    all bfloat16, and its norms' statistics are kept, not reduced again backward."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_program as bench
+    import memory
+
+    module, x, y = memory.build("transformer", "tiny")
+    chosen = dict(bench.variants())
+    rows = {
+        name: bench.count(*bench.abstract_step(module, chosen[name], x, y))
+        for name in ("hand-written bfloat16 (.astype)", "mpjax O2 bfloat16")
+    }
+    hand, o2 = rows["hand-written bfloat16 (.astype)"], rows["mpjax O2 bfloat16"]
+    assert o2["kernels"] <= 1.10 * hand["kernels"], (o2["kernels"], hand["kernels"])
+    assert list(o2["gemm_dtypes"]) == ["bf16 x bf16"]
+    assert o2["gemm_dtypes"] == hand["gemm_dtypes"]
+    # The reductions beyond the hand-written step's are the float32 attention softmax's, which
+    # XLA does not fuse into one softmax kernel as it does the half one: its row max and sum
+    # forward and its row sum backward, 3 per layer. A norm reducing again backward to
+    # recompute its statistics would add 2 per norm (11 in all before they were kept).
+    layers = memory.SIZES["transformer"]["tiny"][1]
+    extra = o2["by_kind"]["reduction"]["kernels"] - hand["by_kind"]["reduction"]["kernels"]
+    assert extra <= 3 * layers, (extra, layers)

@@ -526,3 +526,22 @@ def test_no_silent_upcasts_under_strict_dtype_promotion():
             for finite in (True, False):
                 ls = jax.jit(lambda s, f: s.adjust(f))(ls, jnp.asarray(finite))
         assert bool(mpjax.all_finite(tree))
+
+
+def test_all_finite_checks_leaves_of_one_shape_in_one_reduction(rng):
+    """Twelve leaves of two shapes are checked by two reductions (and one over their two
+    flags), not twelve: on a GPU each reduction is a kernel. Any inf or NaN in any leaf,
+    half or float32, is still found."""
+    tree = {
+        "w": [jnp.asarray(rng.normal(size=(4, 8)), jnp.float32) for _ in range(6)],
+        "b": [jnp.asarray(rng.normal(size=(8,)), jnp.bfloat16) for _ in range(6)],
+        "step": jnp.int32(3),
+    }
+    jaxpr = jax.make_jaxpr(mpjax.all_finite)(tree).jaxpr
+    assert sum(e.primitive.name == "reduce_and" for e in jaxpr.eqns) == 3
+    assert bool(mpjax.all_finite(tree))
+    for group, bad in (("w", jnp.inf), ("b", jnp.nan), ("w", -jnp.inf)):
+        for i in (0, 3, 5):
+            hurt = jax.tree_util.tree_map(lambda a: a, tree)
+            hurt[group][i] = hurt[group][i].at[1].set(bad)
+            assert not bool(jax.jit(mpjax.all_finite)(hurt)), (group, i, bad)

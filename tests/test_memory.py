@@ -19,6 +19,7 @@ from flax import nnx
 
 import mpjax
 import mpjax.flax
+from mpjax._src import islands as islands_lib
 from mpjax._src import jax_compat
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -336,11 +337,12 @@ def test_flax_remat_keeps_its_policy_and_saves_no_more_than_the_dtype_model(api,
 
     jaxpr = jax.make_jaxpr(ours)(ours_params, x).jaxpr
     remats = [e for e in eqns(jaxpr) if "remat" in e.primitive.name]
-    # The user's three, and autocast's float32 islands (the LayerNorm), which save nothing.
+    # The user's three, and autocast's float32 islands (the LayerNorm), which save only their
+    # statistics (per-row mean and variance).
     users = [e for e in remats if e.params["policy"] is remat_policy]
     islands = [e for e in remats if e.params["policy"] is not remat_policy]
     assert len(users) == 3, [e.params["policy"] for e in remats]
-    assert all(e.params["policy"] is jax.checkpoint_policies.nothing_saveable for e in islands)
+    assert all(e.params["policy"] is islands_lib.SAVE_STATISTICS for e in islands)
     ours_b = memory.residual_bytes(ours, ours_params, x)
     hand_b = memory.residual_bytes(hand, hand_params, x)
     assert sum(ours_b.values()) <= sum(hand_b.values()), (ours_b, hand_b)
@@ -392,3 +394,36 @@ def test_the_same_island_in_every_layer_is_traced_once():
     ref = lambda p: jnp.sum(module.apply({"params": p}, x) ** 2)  # noqa: E731
     g, g_ref = jax.jit(jax.grad(loss))(params), jax.jit(jax.grad(ref))(params)
     assert rel_err(_flat(g), _flat(g_ref)) < 0.05
+
+
+class _NormNet(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = x + nn.Dense(64, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+        return x
+
+
+def test_a_norm_island_keeps_its_statistics_instead_of_reducing_again_backward():
+    """A LayerNorm's float32 island is recomputed for the backward pass from its half input,
+    but its per-row mean and variance are kept (as the hand-written half model keeps them):
+    the O2 step sums no more often than the ``dtype=bfloat16`` one, forward and backward."""
+    x = jax.random.normal(jax.random.key(0), (32, 64))
+    net = _NormNet()
+    params = net.init(jax.random.key(1), x)
+    o2 = mpjax.flax.wrap(net, mpjax.Policy.from_level("O2", "bfloat16"))
+
+    def sums(apply):
+        grad = jax.grad(lambda p: apply(p, x).astype(jnp.float32).sum())
+        jaxpr = jax.make_jaxpr(grad)(params).jaxpr
+        return sum(e.primitive.name == "reduce_sum" for e in eqns(jaxpr))
+
+    assert sums(o2.apply) <= sums(_NormNet(jnp.bfloat16).apply)
+    # What is kept is small: one float32 per row per statistic, never an activation.
+    kept = memory.residual_bytes(lambda p: o2.apply(p, x).astype(jnp.float32).sum(), params)
+    hand = memory.residual_bytes(
+        lambda p: _NormNet(jnp.bfloat16).apply(p, x).astype(jnp.float32).sum(), params
+    )
+    assert sum(kept.values()) <= sum(hand.values()), (kept, hand)

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
@@ -30,6 +31,34 @@ _CONST_MAKERS = frozenset(
 )
 
 
+# An island's statistics (a norm's per-row mean and variance, a softmax's row max and sum):
+# reductions whose result is at most 1/_STAT_RATIO of what they reduce. The recomputed island
+# keeps them (float32, small) instead of reducing again in the backward pass, as a
+# hand-written norm or softmax keeps them; the rest of the island is recomputed elementwise.
+STATISTIC = "mpjax_island_statistic"
+_STAT_RATIO = 8
+_REDUCTIONS = frozenset({"reduce_sum"})
+SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
+
+
+def _is_statistic(eqn: Any) -> bool:
+    if eqn.primitive.name not in _REDUCTIONS:
+        return False
+    size = lambda v: int(np.prod(v.aval.shape, dtype=np.int64))
+    return size(eqn.outvars[0]) * _STAT_RATIO <= size(eqn.invars[0])
+
+
+def _of_exp(v: Any, run: list[Any]) -> bool:
+    """Whether `v` is an exp's result (through ISLAND names): a softmax's normalizer sums
+    it. XLA fuses a whole softmax into one kernel forward and one backward when the sum is
+    not kept; kept, it makes the forward three kernels."""
+    made = {u: e for e in run for u in e.outvars}
+    e = made.get(v)
+    while e is not None and e.primitive.name == "name":
+        e = made.get(e.invars[0])
+    return e is not None and e.primitive.name == "exp"
+
+
 def _is_half_cast(eqn: Any, up: bool) -> bool:
     """Whether `eqn` casts a half value to float32 (`up`), or float32 to a half."""
     if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jc.Literal):
@@ -42,9 +71,9 @@ def _is_half_cast(eqn: Any, up: bool) -> bool:
 
 def remat_islands(closed: Any, context: Any = None) -> Any:
     """`closed` with each run of float32-island equations (see _Env.tag_island: the ops whose
-    results are named ISLAND, and those names) under ``jax.checkpoint`` that saves nothing
-    inside: the backward pass recomputes the island from the half values it started from
-    instead of keeping its float32 values, as `jax.checkpoint` does for a region. Forward
+    results are named ISLAND, and those names) under ``jax.checkpoint`` that saves only the
+    island's statistics (see STATISTIC): the backward pass recomputes the rest of the island
+    from the half values it started from instead of keeping its float32 values. Forward
     values are unchanged; the names are dropped. `closed` itself if it has no island."""
     eqns = closed.jaxpr.eqns
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
@@ -170,9 +199,11 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
             env = dict(zip(ins, vals, strict=True))
             for eqn, stack in zip(run, stacks, strict=True):
                 bind(eqn, env, stack)
+                if _is_statistic(eqn) and not _of_exp(eqn.invars[0], run):
+                    env[eqn.outvars[0]] = checkpoint_name(env[eqn.outvars[0]], STATISTIC)
             return [env[v] for v in outs]
 
-        return jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)
+        return jax.checkpoint(f, policy=SAVE_STATISTICS)
 
     # The same island in every layer of a model (a norm, a softmax) is one function: JAX
     # traces a checkpointed function once per input types and caches its derivatives by

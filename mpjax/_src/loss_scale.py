@@ -574,8 +574,18 @@ def all_finite(tree: Any) -> jax.Array:
       >>> bool(mpjax.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    flags = leaf_finite_flags(tree)
-    return jnp.all(flags) if flags.size else jnp.array(True)
+    leaves = [x for x in jax.tree_util.tree_leaves(tree) if is_inexact(x)]
+    if not leaves:
+        return jnp.array(True)
+    # Leaves of one shape and dtype (a layer's kernels, repeated in every block) are checked
+    # by one reduction over their stack, which XLA fuses without copying: one kernel per
+    # group instead of per leaf (a 12-layer model has about 15 groups for its 150 leaves).
+    # Stacking along a new axis keeps each leaf's sharding.
+    groups: dict[Any, list[Any]] = {}
+    for x in leaves:
+        groups.setdefault((jnp.shape(x), jnp.result_type(x)), []).append(x)
+    checks = [jnp.all(jnp.isfinite(g[0] if len(g) == 1 else jnp.stack(g))) for g in groups.values()]
+    return jnp.all(jnp.stack(checks))
 
 
 def leaf_finite_flags(tree: Any) -> jax.Array:

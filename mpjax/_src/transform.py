@@ -281,12 +281,16 @@ def loss_scale(
         # leaves the unscale multiply a single consumer, which XLA fuses into the update
         # instead of writing the unscaled gradients out (docs/guides/internals.md).
         checked = updates if _scale_at_least_one(state.loss_scale) else grads
-        flags = ls_lib.leaf_finite_flags(checked)
-        if axis_name is not None:  # every replica sees every replica's overflow
-            flags = jax.lax.psum(jnp.logical_not(flags).astype(jnp.int32), axis_name) == 0
-        finite = jnp.all(flags)
         nonfinite = None
-        if state.nonfinite is not None:
+        if state.nonfinite is None:  # one flag: a reduction per group of like leaves
+            finite = ls_lib.all_finite(checked)
+            if axis_name is not None:  # every replica sees every replica's overflow
+                finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
+        else:  # a flag per leaf, to name the leaves that overflowed
+            flags = ls_lib.leaf_finite_flags(checked)
+            if axis_name is not None:
+                flags = jax.lax.psum(jnp.logical_not(flags).astype(jnp.int32), axis_name) == 0
+            finite = jnp.all(flags)
             if flags.shape != state.nonfinite.mask.shape:
                 raise ValueError(
                     f"loss_scale(track_nonfinite=True): the gradients have {flags.shape[0]} "
@@ -308,7 +312,7 @@ def loss_scale(
                 # A step whose updates are not finite is skipped like an overflow, and
                 # counted, so no inf or NaN reaches the params (the scale adjusted above, on
                 # the gradients).
-                finite = finite & jnp.all(ls_lib.leaf_finite_flags(new_updates))
+                finite = finite & ls_lib.all_finite(new_updates)
             inner_state = jax.tree_util.tree_map(
                 lambda new, old: _select(finite, new, jnp.asarray(old, new.dtype)),
                 proposed,
