@@ -338,13 +338,15 @@ def test_audit_reports_the_fp8_dots_of_a_train_step(rng):
     report = mpjax.audit(train_step, params, opt_state, state, x, y)
     fp8 = report.fp8_matmuls
     # Forward: 3 dots; backward: 3 weight gradients and 2 input gradients (the first layer's
-    # input needs none): each with operands dequantized from float8 right before it.
+    # input needs none): each takes float8 operands (E5M2 gradients backward) and writes its
+    # result in bfloat16, which the scales then multiply (XLA folds them into the gemm).
     assert len(fp8) == len(report.matmuls) == 8
     assert sum(m.fp8_dtypes == (E4M3, E4M3) for m in fp8) == 3
     assert all(E5M2 in m.fp8_dtypes for m in fp8 if m.fp8_dtypes != (E4M3, E4M3))
-    assert all(m.operand_dtypes == ("bfloat16", "bfloat16") for m in fp8)
+    assert all(m.operand_dtypes == m.fp8_dtypes for m in fp8)
+    assert all(m.result_dtype == "bfloat16" for m in fp8)
     assert report.fp8_flop_share == 1.0 and report.to_dict()["fp8_matmuls"] == 8
-    assert "in FP8" in str(report) and f"{E5M2}->bfloat16" in str(report)
+    assert "in FP8" in str(report) and f"{E5M2} x {E4M3}" in str(report)
     # The wrapper alone (no FP8 state) runs bf16 dots: none counts as FP8.
     plain = mpjax.audit(jax.grad(loss), params, x, y)
     assert plain.fp8_matmuls == () and plain.fp8_flop_share == 0.0 and "FP8" not in str(plain)
@@ -375,12 +377,14 @@ def test_describe_rows_follow_the_recipe(rng):
 
 
 class Overflowing(nn.Module):
-    """A first Dense whose float16 output overflows for inputs near the FP8 maximum."""
+    """Dense layers whose float16 outputs overflow for inputs near the FP8 maximum (the
+    second layer's input, inf, saturates to E4M3's maximum when it is quantized, so its
+    float16 result overflows again)."""
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(64, kernel_init=nn.initializers.constant(100.0))(x)
-        return nn.Dense(16)(nn.relu(x))
+        return nn.Dense(16, kernel_init=nn.initializers.constant(100.0))(nn.relu(x))
 
 
 def test_fp8_dot_overflow_is_found_skipped_and_keeps_the_scales(rng):
@@ -400,7 +404,7 @@ def test_fp8_dot_overflow_is_found_skipped_and_keeps_the_scales(rng):
 
     big = jnp.clip(jnp.abs(x) * 400.0, 100.0, 400.0)  # E4M3-representable range, at scale 1
     new_params, new_opt, new_fp8, grads = train_step(params, opt_state, state, big, y)
-    # 48 products of ~250 * 100 overflow float16: the step's gradients are not finite...
+    # Sums of ~250 * 100 overflow float16: the step's loss and gradients are not finite...
     assert not all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
     # ... so the loss scale skips it: params and the inner state are bit-identical.
     assert_trees_bit_identical(new_params, params)
@@ -415,7 +419,8 @@ def test_fp8_dot_overflow_is_found_skipped_and_keeps_the_scales(rng):
     fmax = np.broadcast_to(np.array([448.0, 448.0, 57344.0]), amax.shape)
     np.testing.assert_allclose(np.asarray(new_fp8.scale)[ok], (fmax / amax)[ok], rtol=1e-6)
     assert np.isfinite(new_fp8.scale).all()
-    # find_nonfinite names the FP8 dot that overflowed, in the layer that ran it.
+    # find_nonfinite names the FP8 dot that overflowed (its float16 result), in the layer
+    # that ran it.
     origin = mpjax.find_nonfinite(mpjax.fp8.apply(loss, pol), state, params, big, y)
     assert origin is not None and origin.primitive == "dot_general"
     assert "Dense_0" in origin.name and origin.dtype == "float16" and origin.kind == "inf"

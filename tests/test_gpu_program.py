@@ -184,3 +184,49 @@ def test_h100_program_of_an_o2_transformer_step_against_the_hand_written_one():
     layers = memory.SIZES["transformer"]["tiny"][1]
     extra = o2["by_kind"]["reduction"]["kernels"] - hand["by_kind"]["reduction"]["kernels"]
     assert extra <= 3 * layers, (extra, layers)
+
+
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm):
+    """Every FP8 site's forward, input-gradient and weight-gradient dot is an FP8 gemm in
+    the optimized H100 program, on XLA's default (Triton) path and with cuBLAS only: the dots
+    take float8 operands, so no quantize-dequantize pattern has to survive XLA's passes."""
+    nn = pytest.importorskip("flax.linen")
+    import optax
+
+    import mpjax.fp8
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = nn.relu(nn.Dense(1024)(x))
+            return nn.Dense(128)(x)
+
+    model, x = MLP(), jnp.ones((256, 512))
+    y = jnp.zeros((256,), jnp.int32)
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y):
+        logits = model.apply({"params": p}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    pol = mpjax.fp8.policy("O2")
+    state = mpjax.fp8.init(loss, pol, params, x, y)
+    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    fp8 = mpjax.audit(step, state, params, x, y, target="h100", gemm=gemm).gpu
+    # 4 forward, 3 input-gradient (the first layer's input needs none), 4 weight-gradient.
+    assert fp8.gemm_dtypes() == {
+        "f8e4m3fn x f8e4m3fn": 4,
+        "f8e5m2 x f8e4m3fn": 3,
+        "f8e4m3fn x f8e5m2": 4,
+    }
+    if gemm == "cublas":  # tuned tiles aside, what the gemms read and write
+        o2 = jax.jit(jax.value_and_grad(mpjax.autocast(loss, pol.base)))
+        half = mpjax.audit(o2, params, x, y, target="h100").gpu
+        assert half.gemm_dtypes() == {"bf16 x bf16": 11}
+        gemm_bytes = lambda p: p.by_kind()["gemm"][1]
+        # float8 operands, half results: 0.67x here (the results are a third of the bytes)
+        assert gemm_bytes(fp8) <= 0.70 * gemm_bytes(half)

@@ -321,7 +321,7 @@ class AuditReport:
         for m in self.matmuls:
             shapes = " x ".join("[" + ",".join(map(str, s)) + "]" for s in m.operand_shapes)
             operands = " x ".join(
-                d if q is None else f"{q}->{d}"
+                d if q is None or q == d else f"{q}->{d}"
                 for d, q in zip(m.operand_dtypes, m.fp8_dtypes or (None,) * 2, strict=False)
             )
             rows.append(

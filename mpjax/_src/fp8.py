@@ -234,27 +234,70 @@ def fp8_dot_general(
     return out
 
 
-def _dot(dims: Any, precision: Any, pref: Any, a: jax.Array, b: jax.Array) -> jax.Array:
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=pref)
+def quantize(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
+    """``x * scale`` rounded to `q_dtype`, saturating at its largest finite value."""
+    lim = fp8_max(q_dtype)
+    scaled = x.astype(jnp.float32) * scale.astype(jnp.float32)
+    return jnp.clip(scaled, -lim, lim).astype(q_dtype)
+
+
+def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
+    gone = {i for r in removed for i in r}
+    return [i for i in range(n) if i not in gone]
+
+
+def _transpose_lhs(
+    g: jax.Array, lhs_ndim: int, rhs: jax.Array, dims: Any, swap: bool, out: Any
+) -> Any:
+    """The cotangent of a dot_general's lhs for output cotangent `g`, a float8 dot with a
+    float32 result (JAX's own transpose rule, ``_dot_general_transpose_lhs``, with the
+    result type left to the caller, so that both operands stay float8)."""
+    (lc, rc), (lb, rb) = dims
+    lkept = _remaining(lhs_ndim, lc, lb)
+    rkept = _remaining(rhs.ndim, rc, rb)
+    nb = len(lb)
+    # The output's axes are (batch, lhs kept, rhs kept), or (batch, rhs kept, lhs kept) for
+    # the rhs's cotangent, which calls this with the operands swapped.
+    first = nb if swap else nb + len(lkept)
+    ans_r = tuple(range(first, first + len(rkept)))
+    new_dims = ((ans_r, tuple(rkept)), (tuple(range(nb)), tuple(rb)))
+    lc_by_r = [lc[i] for i in np.argsort(rc)]
+    out_axes = np.argsort(list(lb) + lkept + lc_by_r)
+    res = lax.dot_general(g, rhs, new_dims, preferred_element_type=out)
+    return lax.transpose(res, tuple(int(a) for a in out_axes))
 
 
 def _fp8_fwd(
     dims: Any, precision: Any, pref: Any, lhs: Any, rhs: Any, scale: Any, amax_sink: Any
 ) -> tuple[jax.Array, Any]:
-    del amax_sink
-    lq = qdq(lhs, E4M3, scale[INPUT])
-    rq = qdq(rhs, E4M3, scale[KERNEL])
-    out = _dot(dims, precision, pref, lq, rq)
-    return out, (lq, rq, scale, _amax(lhs), _amax(rhs))
+    # The dot takes float8 operands and accumulates in float32; the scales apply to its
+    # result. XLA's GPU pipeline runs such a dot as an FP8 gemm (cuBLASLt or Triton) with no
+    # pattern to match (TransformerEngine's and Flax's quantize-dequantize pairs are lost
+    # to run-time scales). The float8 operands are the residuals: quantized once a step.
+    del amax_sink, precision
+    lq = quantize(lhs, E4M3, scale[INPUT])
+    rq = quantize(rhs, E4M3, scale[KERNEL])
+    out_dtype = pref or jnp.result_type(lhs, rhs)
+    acc = lax.dot_general(lq, rq, dims, preferred_element_type=out_dtype)
+    out = acc * (1.0 / (scale[INPUT] * scale[KERNEL])).astype(out_dtype)
+    like = (jnp.zeros([], lhs.dtype), jnp.zeros([], rhs.dtype))  # the cotangents' dtypes
+    return out, (lq, rq, scale, _amax(lhs), _amax(rhs), *like)
 
 
 def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tuple[Any, ...]:
-    lq, rq, scale, amax_l, amax_r = res
-    gq = qdq(g, E5M2, scale[GRAD])
-    _, vjp = jax.vjp(functools.partial(_dot, dims, precision, pref), lq, rq)
-    dl, dr = vjp(gq)
+    lq, rq, scale, amax_l, amax_r, l_like, r_like = res
+    gq = quantize(g, E5M2, scale[GRAD])
+    (lc, rc), (lb, rb) = dims
+    # The scales multiply the float32 results, so that XLA folds them, and the cast, into the
+    # FP8 gemm's epilogue: it writes the half (or float32) result directly.
+    ldt, rdt = l_like.dtype, r_like.dtype
+    dl = _transpose_lhs(gq, lq.ndim, rq, dims, False, ldt)
+    dl = dl * (1.0 / (scale[GRAD] * scale[KERNEL])).astype(ldt)
+    swapped = ((rc, lc), (rb, lb))
+    dr = _transpose_lhs(gq, rq.ndim, lq, swapped, True, rdt)
+    dr = dr * (1.0 / (scale[GRAD] * scale[INPUT])).astype(rdt)
     amaxes = jnp.stack([amax_l, amax_r, _amax(g)])
-    return dl.astype(lq.dtype), dr.astype(rq.dtype), jnp.zeros_like(scale), amaxes
+    return dl, dr, jnp.zeros_like(scale), amaxes
 
 
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
@@ -413,7 +456,8 @@ class _Sites:
         dt = np.dtype(mode.compute_dtype)
         lhs, rhs = (autocast_lib.cast(x, dt) for x in invals)
         if scale is None:  # counting sites (init)
-            return _dot(eqn.params["dimension_numbers"], None, dt, lhs, rhs)
+            dims = eqn.params["dimension_numbers"]
+            return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
         return fp8_dot_general(
             eqn.params["dimension_numbers"],
             eqn.params.get("precision"),
