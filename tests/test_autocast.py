@@ -625,3 +625,22 @@ def test_a_sub_program_left_by_design_is_audited_with_its_reason_and_strict_rais
     assert report.untouched_why == (mpjax_ops.UNTOUCHED_OPS["reduce"],)
     with pytest.raises(ValueError, match=r"strict=True\): the reduce at .*a generic reduction"):
         mpjax.autocast(f, policy, strict=True)(x)
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_a_softmax_is_one_float32_island_from_its_row_max(half):
+    """At O2 a softmax's row max runs in float32 with its exp and sum (the same value: a max
+    is exact in any dtype), so that the island is the whole softmax, which XLA's GPU pipeline
+    fuses into one kernel forward and one backward as it does the half softmax; the scores'
+    matmul stays half and so does the mask that makes them."""
+
+    def attend(q, k, mask):
+        scores = jnp.where(mask, jnp.einsum("bqd,bkd->bqk", q, k), -1e4)
+        return jax.nn.softmax(scores)
+
+    q = jnp.ones((2, 8, 16))
+    mask = jnp.tril(jnp.ones((8, 8), bool))
+    f = mpjax.autocast(attend, mpjax.Policy.from_level("O2", half))
+    assert in_dtypes(f, q, q, mask, name="reduce_max") == [(F32,)]
+    assert in_dtypes(f, q, q, mask, name="dot_general") == [(HALF[half],) * 2]
+    assert set(in_dtypes(f, q, q, mask, name="select_n")[0]) == {HALF[half]}

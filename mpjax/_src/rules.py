@@ -38,6 +38,8 @@ SHAPE_OPS = frozenset(
     {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
      "dynamic_slice", "gather", "copy", "copy_p", "tile", "unstack"}
 )  # fmt: skip
+# Reductions whose result is one of their operand's values, exact in any float dtype.
+_EXACT_REDUCTIONS = frozenset({"reduce_max", "reduce_min"})
 # Elementwise ops that broadcast size-1 dimensions implicitly.
 ELEMENTWISE = frozenset(
     {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n", "clamp",
@@ -156,8 +158,17 @@ def use_flags(eqn: Any, mode: Any, out_dec: bool, out_f32: bool) -> list[Flags]:
     if name in DECISION_OPS or not any(is_float_dtype(v.aval.dtype) for v in eqn.outvars):
         return [Flags(True, False)] * n  # floats that become integers, bools or bits decide
     lower, f32 = op_lists(mode)
-    if name not in ops.KNOWN_OPS and (name in SHAPE_OPS or name in PASS_OPS):
+    if name in PASS_OPS or name == "broadcast_in_dim":
+        # A softmax's row max, broadcast and stop_gradient'ed, that feeds only its exp: the
+        # max is taken in float32 as well, inside the softmax's island (the same value: a
+        # max is exact in any float dtype), so that XLA sees one softmax to fuse.
+        return [Flags(out_dec, out_f32)] * n
+    if name not in ops.KNOWN_OPS and name in SHAPE_OPS:
         return [Flags(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
+    if name in _EXACT_REDUCTIONS:
+        # ...but the max does not pull the scores' producer into float32: the island starts
+        # where it started, at the half scores.
+        return [Flags(out_dec, False)] * n
     if name in lower or name not in ops.KNOWN_OPS:
         return [NO_USE] * n
     if name in f32:
