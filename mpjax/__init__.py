@@ -50,6 +50,10 @@ from mpjax._src.transform import (
 
 __version__ = "0.1.0"
 
+from mpjax._src import jmp_alias as _jmp_alias  # noqa: E402
+
+_jmp_alias.install()  # `from jmp._src import ...` under `sys.modules["jmp"] = mpjax`
+
 _SUBMODULES = ("flax", "fp8", "export", "checkpoint")
 
 

@@ -144,3 +144,45 @@ def test_jmp_suite_passes(tmp_path, target):
     assert counts.get("failed", 0) == 0 and counts.get("errors", 0) == 0, output[-6000:]
     assert counts.get("passed", 0) == PUBLIC_TESTS, output[-6000:]
     assert counts.get("deselected", 0) == JMP_TESTS - PUBLIC_TESTS, output[-6000:]
+
+
+_ALIAS_SCRIPT = """
+import sys, warnings
+import jax.numpy as jnp
+import mpjax
+sys.modules["jmp"] = mpjax
+import jmp
+from jmp._src import loss_scale
+from jmp._src.policy import _cast_floating_to
+import jmp._src.policy as policy
+ls = jmp.DynamicLossScale(jnp.float32(2.0 ** 15))
+assert isinstance(ls, loss_scale.DynamicLossScale), "a second copy of the loss-scale module"
+assert loss_scale.NoOpLossScale is mpjax.NoOpLossScale and policy.Policy is mpjax.Policy
+assert _cast_floating_to({"a": jnp.ones(2), "n": 3}, jnp.bfloat16)["a"].dtype == jnp.bfloat16
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loss_scale.warn_if_not_floating(jnp.int32(3), "loss_scale")
+assert "Expected floating type for loss_scale" in str(caught[0].message)
+print("ok")
+"""
+
+
+def test_jmps_private_modules_under_the_alias_are_mpjaxs_own():
+    """Public scripts import from jmp's private modules (``from jmp._src.policy import
+    _cast_floating_to``, ``from jmp._src import loss_scale``): with ``sys.modules["jmp"] =
+    mpjax`` they get mpjax's modules, one copy, so jmp's classes are mpjax's."""
+    result = subprocess.run(
+        [sys.executable, "-c", _ALIAS_SCRIPT], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_real_jmps_private_modules_are_left_to_jmp():
+    pytest.importorskip("jmp")
+    script = (
+        "import mpjax, jmp\nfrom jmp._src import loss_scale\n"
+        "assert loss_scale.__file__.endswith('jmp/_src/loss_scale.py'), loss_scale.__file__\n"
+        "assert loss_scale.DynamicLossScale is not mpjax.DynamicLossScale\nprint('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

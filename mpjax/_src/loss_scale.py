@@ -38,6 +38,11 @@ def _warn_if_not_floating(dtype: Any, name: str, stacklevel: int) -> None:
         warnings.warn(f"Expected floating type for {name}, got {dtype}", stacklevel=stacklevel)
 
 
+def warn_if_not_floating(x: Any, var_name: str) -> None:
+    """jmp's helper of that name (``jmp._src.loss_scale``), which public code imports."""
+    _warn_if_not_floating(jnp.result_type(x), var_name, stacklevel=3)
+
+
 def scalar_setting(
     value: Any,
     name: str,

@@ -168,6 +168,10 @@ def cast_floating(tree: T, dtype: Any) -> T:
     return jax.tree_util.tree_map(cast, tree)
 
 
+# jmp's private name for it, which public training scripts import from jmp._src.policy.
+_cast_floating_to = cast_floating
+
+
 def _check_level(level: str) -> str:
     if not isinstance(level, str):
         raise TypeError(
