@@ -1,9 +1,10 @@
-"""FP8 for any JAX function: dot_general in float8 (HYBRID), delayed scaling as a pytree.
+"""FP8 for any JAX function: dot_general in float8 (HYBRID), delayed or current scaling.
 
 Import it explicitly (``import mpjax.fp8``); ``import mpjax`` does not load it.
 """
 
 from mpjax._src.fp8 import (
+    CurrentScaling,
     DelayedScaling,
     FP8Policy,
     FP8State,
@@ -20,6 +21,7 @@ from mpjax._src.fp8 import (
 )
 
 __all__ = (
+    "CurrentScaling",
     "DelayedScaling",
     "FP8Policy",
     "FP8State",

@@ -454,3 +454,48 @@ def test_errors():
     state = mpjax.fp8.init(lambda w, x: jnp.sum(x @ w), pol, w, x)
     with pytest.raises(ValueError, match="dot sites"):
         mpjax.fp8.value_and_grad(lambda w, x: jnp.sum(x @ w @ w.T), pol)(state, w, x)
+
+
+def test_current_scaling_quantizes_each_tensor_with_its_own_amax(rng):
+    """With a fresh delayed-scaling state (scale 1) an input of magnitude 4000 saturates at
+    E4M3's 448; current scaling takes this step's amax and keeps it, forward and backward.
+    The state records the step's amaxes and its scales follow them."""
+    x = jnp.asarray(rng.normal(size=(32, 64)) * 1000.0, jnp.float32)
+    w = jnp.asarray(rng.normal(size=(64, 48)) * 0.1, jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    errors = {}
+    for name, recipe in (("delayed", None), ("current", mpjax.fp8.CurrentScaling())):
+        pol = mpjax.fp8.policy("O1", recipe=recipe)
+        state = mpjax.fp8.init(_loss, pol, w, x, dy)
+        out = jax.jit(mpjax.fp8.apply(lambda w, x: x @ w, pol))(state, w, x)
+        errors[name] = np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact)
+        loss, grads, new = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))(state, w, x, dy)
+        ref = jax.grad(_loss)(w, x, dy)
+        grad_err = float(jnp.linalg.norm(grads - ref) / jnp.linalg.norm(ref))
+        if name == "current":
+            assert errors[name] < 0.06 and grad_err < 0.08, (errors[name], grad_err)
+            # the amaxes of the operands the dot takes: cast to bfloat16 first (O1)
+            amax = np.asarray(new.amax_history[0, :, 0])
+            np.testing.assert_allclose(amax[:2], [np.abs(x).max(), np.abs(w).max()], rtol=2**-8)
+            np.testing.assert_allclose(np.asarray(new.scale[0, :2]), 448.0 / amax[:2], rtol=1e-6)
+    assert errors["delayed"] > 0.5  # saturated at 448 where values reach ~4000
+
+
+def test_current_scaling_of_a_zero_or_inf_tensor_quantizes_at_scale_one():
+    pol = mpjax.fp8.policy("O2", recipe=mpjax.fp8.CurrentScaling())
+    w, dy = jnp.ones((32, 16)), jnp.ones((16, 16))
+    state = mpjax.fp8.init(_loss, pol, w, jnp.zeros((16, 32)), dy)
+    assert state.num_sites == 1
+    loss, grads, _ = mpjax.fp8.value_and_grad(_loss, pol)(state, w, jnp.zeros((16, 32)), dy)
+    assert float(loss) == 0.0 and bool(jnp.isfinite(grads).all())
+    x = jnp.ones((16, 32)).at[0, 0].set(jnp.inf)
+    out = mpjax.fp8.apply(lambda w, x: x @ w, pol)(state, w, x)
+    assert bool(jnp.isfinite(out).all())  # the inf saturated at E4M3's maximum
+
+
+def test_a_recipe_of_another_kind_is_refused():
+    with pytest.raises(TypeError, match="recipe must be mpjax.fp8.DelayedScaling"):
+        mpjax.fp8.policy("O2", recipe="current")
+    with pytest.raises(ValueError, match="margin must be >= 0"):
+        mpjax.fp8.CurrentScaling(margin=-1)

@@ -65,6 +65,37 @@ class DelayedScaling:
             raise ValueError(f"margin must be >= 0, got {self.margin}.")
 
 
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling:
+    """Current scaling per tensor (TransformerEngine's ``Float8CurrentScaling``, torchao's
+    tensorwise): each tensor is quantized with a scale from its own amax in this step,
+    ``fp8_max / amax / 2**margin``, the input and kernel's in the forward pass, the output
+    gradient's in the backward pass. No scale goes stale, at the cost of reading each tensor
+    for its amax before quantizing it. An amax of zero or a non-finite one quantizes at
+    scale 1 (an inf then saturates at the FP8 maximum, as with delayed scaling). The state
+    keeps the last step's amaxes, for :func:`describe`.
+
+    Attributes:
+      margin: the scale is divided by ``2**margin``.
+
+    Example:
+      >>> import mpjax.fp8
+      >>> mpjax.fp8.policy("O2", recipe=mpjax.fp8.CurrentScaling()).recipe.amax_history_len
+      1
+    """
+
+    margin: int = 0
+    amax_history_len: int = dataclasses.field(default=1, init=False)
+    amax_compute_algo: str = dataclasses.field(default="most_recent", init=False)
+
+    def __post_init__(self) -> None:
+        if self.margin < 0:
+            raise ValueError(f"margin must be >= 0, got {self.margin}.")
+
+
+Recipe = DelayedScaling | CurrentScaling
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("scale", "amax_history"),
                    meta_fields=("recipe",))  # fmt: skip
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +106,7 @@ class FP8State:
       scale: float32 ``[sites, 3]``: the quantization scale of each site's input, kernel and
         gradient (``x_fp8 = x * scale``).
       amax_history: float32 ``[sites, 3, amax_history_len]``, newest first.
-      recipe: the :class:`DelayedScaling` recipe (static: not a leaf).
+      recipe: the recipe, :class:`DelayedScaling` or :class:`CurrentScaling` (static: not a leaf).
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax.fp8
@@ -87,7 +118,7 @@ class FP8State:
 
     scale: jax.Array
     amax_history: jax.Array
-    recipe: DelayedScaling
+    recipe: Recipe
 
     @property
     def num_sites(self) -> int:
@@ -117,7 +148,8 @@ class FP8Policy:
 
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
-      recipe: the delayed-scaling recipe.
+      recipe: the scaling recipe: :class:`DelayedScaling` (the default) or
+        :class:`CurrentScaling`.
 
     Example:
       >>> import mpjax, mpjax.fp8
@@ -127,9 +159,14 @@ class FP8Policy:
     """
 
     base: Policy
-    recipe: DelayedScaling = DelayedScaling()
+    recipe: Recipe = DelayedScaling()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recipe, (DelayedScaling, CurrentScaling)):
+            raise TypeError(
+                f"recipe must be mpjax.fp8.DelayedScaling(...) or mpjax.fp8.CurrentScaling(...), "
+                f"got {type(self.recipe).__name__}."
+            )
         if not isinstance(self.base, Policy) or not self.base.half or self.base.level == "O0":
             raise ValueError(
                 "FP8Policy needs a half-precision base policy such as "
@@ -139,14 +176,14 @@ class FP8Policy:
 
 
 def policy(
-    level: str = "O1", half_dtype: Any = "bfloat16", recipe: DelayedScaling | None = None
+    level: str = "O1", half_dtype: Any = "bfloat16", recipe: Recipe | None = None
 ) -> FP8Policy:
     """Returns an FP8 policy: `level` in `half_dtype`, with dot_general in FP8.
 
     Args:
       level: the base level, "O1" or "O2" (or "O3").
       half_dtype: the base half dtype (bfloat16 by default, as FP8 training uses).
-      recipe: the delayed-scaling recipe (default ``DelayedScaling()``).
+      recipe: ``DelayedScaling()`` (the default) or ``CurrentScaling()``.
 
     Returns:
       An :class:`FP8Policy`.
@@ -303,12 +340,45 @@ def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tu
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 
+def _current_scale(amax: jax.Array, q_dtype: Any, margin: int) -> jax.Array:
+    ok = (amax > 0.0) & jnp.isfinite(amax)
+    return jnp.where(ok, fp8_max(q_dtype) / jnp.where(ok, amax, 1.0) / 2.0**margin, 1.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_dot_current(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
+    """fp8_dot_general with current scaling: each tensor's scale from its own amax."""
+    return _current_fwd(dims, pref, margin, lhs, rhs, sink)[0]
+
+
+def _current_fwd(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
+    amax_l, amax_r = _amax(lhs), _amax(rhs)
+    scale = jnp.stack(
+        [
+            _current_scale(amax_l, E4M3, margin),
+            _current_scale(amax_r, E4M3, margin),
+            jnp.float32(1.0),  # the gradient's: set from its amax in the backward pass
+        ]
+    )
+    return _fp8_fwd(dims, None, pref, lhs, rhs, scale, sink)
+
+
+def _current_bwd(dims: Any, pref: Any, margin: int, res: Any, g: Any) -> Any:
+    lq, rq, scale, *rest = res
+    scale = scale.at[GRAD].set(_current_scale(_amax(g), E5M2, margin))
+    dl, dr, _, amaxes = _fp8_bwd(dims, None, pref, (lq, rq, scale, *rest), g)
+    return dl, dr, amaxes
+
+
+_fp8_dot_current.defvjp(_current_fwd, _current_bwd)
+
+
 # -- the recipe ----------------------------------------------------------------------------------
 
 _FP8_MAX = np.array([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)], np.float32)
 
 
-def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: DelayedScaling) -> Any:
+def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: Recipe) -> Any:
     if recipe.amax_compute_algo == "max":
         amax = jnp.max(history, axis=-1)
     else:
@@ -436,8 +506,16 @@ class _Sites:
     base half dtype (a while loop has no reverse-mode gradient to carry amaxes out).
     """
 
-    def __init__(self, scale: jax.Array | None, sink: jax.Array | None, base: Any = None):
+    def __init__(
+        self,
+        scale: jax.Array | None,
+        sink: jax.Array | None,
+        base: Any = None,
+        recipe: Recipe | None = None,
+    ):
         self.count = 0
+        # Current scaling: scales from each tensor's amax, not from the state.
+        self.current = recipe.margin if isinstance(recipe, CurrentScaling) else None
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
         self.base = base
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
@@ -458,6 +536,9 @@ class _Sites:
         if scale is None:  # counting sites (init)
             dims = eqn.params["dimension_numbers"]
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
+        if self.current is not None:
+            dims = eqn.params["dimension_numbers"]
+            return _fp8_dot_current(dims, dt, self.current, lhs, rhs, sink[i])
         return fp8_dot_general(
             eqn.params["dimension_numbers"],
             eqn.params.get("precision"),
@@ -617,7 +698,7 @@ def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
     def wrapped(state: FP8State, *args: Any) -> Any:
         state = _check_state(state, pol)
         n = state.num_sites
-        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32), pol.base)
+        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32), pol.base, pol.recipe)
         out = _run(fn, pol, sites, args)
         if sites.count != n:
             raise _num_mismatch(n, sites.count)
@@ -680,7 +761,7 @@ def value_and_grad(
         counts = []
 
         def inner(p: Any, sink: jax.Array) -> Any:
-            sites = _Sites(state.scale, sink, pol.base)
+            sites = _Sites(state.scale, sink, pol.base, pol.recipe)
             out = _run(fn, pol, sites, (p, *args))
             counts.append(sites.count)
             return out if has_aux else (out, None)
