@@ -104,18 +104,12 @@ def measure(kind: str, size: str) -> dict[str, Any]:
     return {"model": kind, "size": size, "rows": rows}
 
 
-def hand_written(rows: dict[str, Any], half: str) -> tuple[str, dict[str, Any]]:
-    """The hand-written step in `half` that moves fewer bytes."""
-    names = [f"hand-written {half} (.astype)", f"hand-written {half} (dtype=)"]
-    best = min(names, key=lambda n: rows[n]["bytes_moved"])
-    return best, rows[best]
-
-
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target with its measured ratio and whether it is met."""
     rows, out = result["rows"], []
     for h in HALVES:
-        base_name, base = hand_written(rows, h)
+        base_name, _ = memory.hand_written(rows, h, "bytes_moved")  # moves fewer bytes
+        base = rows[base_name]
         for level, limit in (("O2", 1.00), ("O1", 1.05)):
             r = rows[f"mpjax {level} {h}"]
             ratio = r["bytes_moved"] / base["bytes_moved"]

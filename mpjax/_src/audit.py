@@ -106,12 +106,22 @@ def audit(
     """
     if not callable(fn):
         raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
-    if target is not None:
-        return _audit_on_gpu(fn, args, kwargs, target, gemm)
+    program = None
+    if target is not None:  # the arguments stand for arrays on that GPU
+        from mpjax._src import gpu_program
+
+        args, kwargs = gpu_program.on_target((args, kwargs), target)
     lowered = _lower(fn, args, kwargs)
     found = read_module(lowered.compiler_ir("stablehlo"))
     compiled = None
-    if compile:
+    if target is not None:
+        gpu = gpu_program.compile_lowered(lowered, gemm)
+        text = gpu.as_text()
+        program = gpu_program.read_program(lowered, gpu, text, target, gemm)
+        compiled_matmuls, inserted = parse_compiled(text)
+        compiled = tuple(compiled_matmuls)
+        found.collectives += inserted
+    elif compile:
         try:
             text, partitioned = compile_text(lowered)
             if text is not None:
@@ -129,31 +139,7 @@ def audit(
         untouched=tuple(found.untouched),
         untouched_why=tuple(found.untouched_why),
         compiled_matmuls=compiled,
-        backend=jax.default_backend(),
+        backend="gpu" if target is not None else jax.default_backend(),
         collectives=tuple(found.collectives),
-    )
-
-
-def _audit_on_gpu(
-    fn: Callable[..., Any], args: Any, kwargs: Any, target: str, gemm: str
-) -> AuditReport:
-    """The audit of the program XLA compiles for GPU `target` (see :func:`audit`)."""
-    from mpjax._src import gpu_program
-
-    args, kwargs = gpu_program.on_target((args, kwargs), target)
-    lowered = _lower(fn, args, kwargs)
-    found = read_module(lowered.compiler_ir("stablehlo"))
-    compiled = gpu_program.compile_lowered(lowered, gemm)
-    program = gpu_program.read_program(lowered, compiled, target, gemm)
-    compiled_matmuls, inserted = parse_compiled(compiled.as_text())
-    return AuditReport(
-        matmuls=tuple(found.matmuls),
-        converts=found.converts,
-        risks=tuple(found.risks),
-        untouched=tuple(found.untouched),
-        compiled_matmuls=tuple(compiled_matmuls),
-        backend="gpu",
-        collectives=tuple(found.collectives + inserted),
-        untouched_why=tuple(found.untouched_why),
         gpu=program,
     )

@@ -286,9 +286,9 @@ def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
 def _transpose_lhs(
     g: jax.Array, lhs_ndim: int, rhs: jax.Array, dims: Any, swap: bool, out: Any
 ) -> Any:
-    """The cotangent of a dot_general's lhs for output cotangent `g`, a float8 dot with a
-    float32 result (JAX's own transpose rule, ``_dot_general_transpose_lhs``, with the
-    result type left to the caller, so that both operands stay float8)."""
+    """The cotangent of a dot_general's lhs for output cotangent `g`, as a dot of float8
+    operands with result type `out` (JAX's own transpose rule, ``_dot_general_transpose_lhs``,
+    which would give the result the operand's type: float8)."""
     (lc, rc), (lb, rb) = dims
     lkept = _remaining(lhs_ndim, lc, lb)
     rkept = _remaining(rhs.ndim, rc, rb)
@@ -307,10 +307,11 @@ def _transpose_lhs(
 def _fp8_fwd(
     dims: Any, precision: Any, pref: Any, lhs: Any, rhs: Any, scale: Any, amax_sink: Any
 ) -> tuple[jax.Array, Any]:
-    # The dot takes float8 operands and accumulates in float32; the scales apply to its
-    # result. XLA's GPU pipeline runs such a dot as an FP8 gemm (cuBLASLt or Triton) with no
-    # pattern to match (TransformerEngine's and Flax's quantize-dequantize pairs are lost
-    # to run-time scales). The float8 operands are the residuals: quantized once a step.
+    # The dot takes float8 operands and writes the half (or float32) result, which the
+    # scales then multiply; XLA folds them into the gemm's epilogue. XLA's GPU pipeline runs
+    # such a dot as an FP8 gemm (cuBLASLt or Triton) with no pattern to match
+    # (TransformerEngine's and Flax's quantize-dequantize pairs are lost to run-time scales).
+    # The float8 operands are the residuals.
     del amax_sink, precision
     lq = quantize(lhs, E4M3, scale[INPUT])
     rq = quantize(rhs, E4M3, scale[KERNEL])
@@ -325,8 +326,7 @@ def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tu
     lq, rq, scale, amax_l, amax_r, l_like, r_like = res
     gq = quantize(g, E5M2, scale[GRAD])
     (lc, rc), (lb, rb) = dims
-    # The scales multiply the float32 results, so that XLA folds them, and the cast, into the
-    # FP8 gemm's epilogue: it writes the half (or float32) result directly.
+    # As forward: each cotangent in its operand's dtype, the scales folded into the gemm.
     ldt, rdt = l_like.dtype, r_like.dtype
     dl = _transpose_lhs(gq, lq.ndim, rq, dims, False, ldt)
     dl = dl * (1.0 / (scale[GRAD] * scale[KERNEL])).astype(ldt)
@@ -533,21 +533,12 @@ class _Sites:
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
         lhs, rhs = (autocast_lib.cast(x, dt) for x in invals)
+        dims = eqn.params["dimension_numbers"]
         if scale is None:  # counting sites (init)
-            dims = eqn.params["dimension_numbers"]
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
         if self.current is not None:
-            dims = eqn.params["dimension_numbers"]
             return _fp8_dot_current(dims, dt, self.current, lhs, rhs, sink[i])
-        return fp8_dot_general(
-            eqn.params["dimension_numbers"],
-            eqn.params.get("precision"),
-            dt,
-            lhs,
-            rhs,
-            scale[i],
-            sink[i],
-        )
+        return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
 
     def rules(self) -> interpret.Rules:
         """Autocast's rules, with eligible dots run in FP8 at their sites, and the scales and

@@ -69,34 +69,44 @@ def _install_hint() -> str:
     )
 
 
-def _topology(config: str) -> Any:
+def _cuda_topology(config: str) -> Any:
+    """The compile-only topology of one GPU of `config`, or None where no CUDA plugin has
+    registered one (JAX answers NotImplementedError then)."""
     from jax.experimental import topologies
 
     try:
         return topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=config)
     except NotImplementedError:
-        pass
-    # The plugin refuses to register where its CUDA version check finds no CUDA, which is a
-    # compile-only machine's case; registering it again past that check gives the topology.
+        return None
+
+
+def _register(plugin_name: str) -> bool:
+    """Registers JAX's CUDA plugin `plugin_name` past its CUDA version check, which fails on
+    a machine without CUDA and so leaves the plugin unregistered; False if not installed."""
+    try:
+        plugin = importlib.import_module(plugin_name)
+    except ImportError:
+        return False
+    saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
+    os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
+    try:
+        plugin.initialize()
+    finally:
+        if saved is None:
+            del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
+    return True
+
+
+def _topology(config: str) -> Any:
+    found = _cuda_topology(config)
     for name in _PLUGINS:
-        try:
-            plugin = importlib.import_module(name)
-        except ImportError:
-            continue
-        saved = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
-        os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"
-        try:
-            plugin.initialize()
-        finally:
-            if saved is None:
-                del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
-        try:
-            return topologies.get_topology_desc(
-                platform="cuda", topology="1x1x1", target_config=config
-            )
-        except NotImplementedError:
-            continue
-    raise RuntimeError(_install_hint())
+        if found is not None:
+            break
+        if _register(name):
+            found = _cuda_topology(config)
+    if found is None:
+        raise RuntimeError(_install_hint())
+    return found
 
 
 _SHARDINGS: dict[str, Any] = {}
@@ -491,9 +501,8 @@ class GpuProgram:
         return "\n".join(rows)
 
 
-def read_program(lowered: Any, compiled: Any, target: str, gemm: str) -> GpuProgram:
-    """The :class:`GpuProgram` of a lowering and its GPU compile."""
-    text = compiled.as_text()
+def read_program(lowered: Any, compiled: Any, text: str, target: str, gemm: str) -> GpuProgram:
+    """The :class:`GpuProgram` of a lowering, its GPU compile and that compile's text."""
     try:
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - a backend without memory analysis

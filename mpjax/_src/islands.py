@@ -31,32 +31,37 @@ _CONST_MAKERS = frozenset(
 )
 
 
-# An island's statistics (a norm's per-row mean and variance, a softmax's row max and sum):
-# reductions whose result is at most 1/_STAT_RATIO of what they reduce. The recomputed island
-# keeps them (float32, small) instead of reducing again in the backward pass, as a
-# hand-written norm or softmax keeps them; the rest of the island is recomputed elementwise.
+# An island's statistics (a norm's per-row mean and mean square): sums whose result is at
+# most 1/_STAT_RATIO of what they reduce. The recomputed island keeps them (float32, small)
+# instead of reducing again in the backward pass, as a hand-written norm keeps them; the
+# rest of the island is recomputed elementwise. A softmax's row sum is not one (see
+# _statistics).
 STATISTIC = "mpjax_island_statistic"
 _STAT_RATIO = 8
 _REDUCTIONS = frozenset({"reduce_sum"})
 SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
 
 
-def _is_statistic(eqn: Any) -> bool:
-    if eqn.primitive.name not in _REDUCTIONS:
-        return False
-    size = lambda v: int(np.prod(v.aval.shape, dtype=np.int64))
-    return size(eqn.outvars[0]) * _STAT_RATIO <= size(eqn.invars[0])
-
-
-def _of_exp(v: Any, run: list[Any]) -> bool:
-    """Whether `v` is an exp's result (through ISLAND names): a softmax's normalizer sums
-    it. XLA fuses a whole softmax into one kernel forward and one backward when the sum is
-    not kept; kept, it makes the forward three kernels."""
+def _statistics(run: list[Any]) -> set[Any]:
+    """The results of `run` its recompute keeps (see STATISTIC). The sum of an exp's results
+    (through ISLAND names) is a softmax's normalizer: XLA fuses a whole softmax into one
+    kernel forward and one backward when it is not kept; kept, the forward takes three."""
     made = {u: e for e in run for u in e.outvars}
-    e = made.get(v)
-    while e is not None and e.primitive.name == "name":
-        e = made.get(e.invars[0])
-    return e is not None and e.primitive.name == "exp"
+    size = lambda v: int(np.prod(v.aval.shape, dtype=np.int64))
+
+    def of_exp(v: Any) -> bool:
+        e = made.get(v)
+        while e is not None and e.primitive.name == "name":
+            e = made.get(e.invars[0])
+        return e is not None and e.primitive.name == "exp"
+
+    return {
+        e.outvars[0]
+        for e in run
+        if e.primitive.name in _REDUCTIONS
+        and size(e.outvars[0]) * _STAT_RATIO <= size(e.invars[0])
+        and not of_exp(e.invars[0])
+    }
 
 
 def _is_half_cast(eqn: Any, up: bool) -> bool:
@@ -195,11 +200,13 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
     def remat_region(
         run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]
     ) -> Callable[..., Any]:
+        kept = _statistics(run)
+
         def f(*vals: Any) -> list[Any]:
             env = dict(zip(ins, vals, strict=True))
             for eqn, stack in zip(run, stacks, strict=True):
                 bind(eqn, env, stack)
-                if _is_statistic(eqn) and not _of_exp(eqn.invars[0], run):
+                if eqn.outvars and eqn.outvars[0] in kept:
                     env[eqn.outvars[0]] = checkpoint_name(env[eqn.outvars[0]], STATISTIC)
             return [env[v] for v in outs]
 

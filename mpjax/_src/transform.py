@@ -281,15 +281,18 @@ def loss_scale(
         # leaves the unscale multiply a single consumer, which XLA fuses into the update
         # instead of writing the unscaled gradients out (docs/guides/internals.md).
         checked = updates if _scale_at_least_one(state.loss_scale) else grads
+
+        def everywhere(ok: jax.Array) -> jax.Array:
+            if axis_name is None:
+                return ok
+            # every replica sees every replica's overflow
+            return jax.lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name) == 0
+
         nonfinite = None
         if state.nonfinite is None:  # one flag: a reduction per group of like leaves
-            finite = ls_lib.all_finite(checked)
-            if axis_name is not None:  # every replica sees every replica's overflow
-                finite = jax.lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name) == 0
+            finite = everywhere(ls_lib.all_finite(checked))
         else:  # a flag per leaf, to name the leaves that overflowed
-            flags = ls_lib.leaf_finite_flags(checked)
-            if axis_name is not None:
-                flags = jax.lax.psum(jnp.logical_not(flags).astype(jnp.int32), axis_name) == 0
+            flags = everywhere(ls_lib.leaf_finite_flags(checked))
             finite = jnp.all(flags)
             if flags.shape != state.nonfinite.mask.shape:
                 raise ValueError(
