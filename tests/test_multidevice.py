@@ -502,14 +502,6 @@ def _nnx_gpt():
     return (lambda s, ids: nnx.merge(graphdef, s)(ids)), state, jnp.zeros((N * 2, 8), jnp.int32)
 
 
-def _dot_operand_dtypes(text):
-    """The operand element types of every dot_general in a lowered StableHLO module's text."""
-    import re
-
-    sigs = re.findall(r"stablehlo\.dot_general[^\n]*?:\s*\((tensor<[^)]*)\)\s*->", text)
-    return [tuple(t.rsplit("x", 1)[-1] for t in re.findall(r"tensor<([^>]*)>", s)) for s in sigs]
-
-
 _GPT_GRID = [
     (flavour, level, half, vma)
     for flavour in ("linen", "nnx")
@@ -534,19 +526,18 @@ def test_autocast_around_a_shard_mapped_flax_transformer_runs_half_dots(flavour,
         fwd, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"), check_vma=vma
     )
     f = mpjax.autocast(sharded, mpjax.Policy.from_level(level, half))
+    grad = jax.grad(lambda p: f(p, ids).astype(jnp.float32).sum())
     with warnings.catch_warnings():
         warnings.simplefilter("error", UntouchedWarning)
-        text = jax.jit(f).lower(params, ids).as_text()
-        grad_text = (
-            jax.jit(jax.grad(lambda p: f(p, ids).astype(jnp.float32).sum())).lower(params).as_text()
-        )
-    want = {"float16": "f16", "bfloat16": "bf16"}[half]
-    fwd_dots, grad_dots = _dot_operand_dtypes(text), _dot_operand_dtypes(grad_text)
+        forward = mpjax.audit(f, params, ids, compile=False)
+        backward = mpjax.audit(grad, params, compile=False)
+    fwd_dots = [m.operand_dtypes for m in forward.matmuls if m.kind == "dot_general"]
+    grad_dots = [m.operand_dtypes for m in backward.matmuls if m.kind == "dot_general"]
     # 2 blocks x (q, k, v, scores, mix, out, up, down) + the head: 17 forward dots.
     assert len(fwd_dots) == 17 and len(grad_dots) > len(fwd_dots)
-    assert all(d == (want, want) for d in fwd_dots + grad_dots), fwd_dots + grad_dots
+    assert all(d == (half, half) for d in fwd_dots + grad_dots), fwd_dots + grad_dots
     # The shard_map body was rebuilt, not left as traced: the audit lists nothing untouched.
-    assert mpjax.audit(f, params, ids, compile=False).untouched == ()
+    assert forward.untouched == () and backward.untouched == ()
     # And it agrees with the float32 model.
     ref = jax.jit(sharded)(params, ids)
     got = jax.jit(f)(params, ids).astype(jnp.float32)
