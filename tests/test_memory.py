@@ -427,3 +427,62 @@ def test_a_norm_island_keeps_its_statistics_instead_of_reducing_again_backward()
         lambda p: _NormNet(jnp.bfloat16).apply(p, x).astype(jnp.float32).sum(), params
     )
     assert sum(kept.values()) <= sum(hand.values()), (kept, hand)
+
+
+def _attention(q, k, v, mask):
+    """Causal attention with Flax's own weights function (a masked, row-max softmax)."""
+    probs = nn.dot_product_attention_weights(q, k, mask=mask)
+    return jnp.einsum("...hqk,...khd->...qhd", probs, v).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("half", [jnp.bfloat16, jnp.float16])
+def test_a_softmax_island_differentiates_from_its_half_output(half):
+    """A float32 softmax island's backward pass is the softmax's derivative computed from its
+    half output (``y * (g - sum(g * y))``, which the next gemm keeps anyway), as the half
+    softmax's is: no recompute of the float32 exp and sums, nothing float32 of the scores'
+    size kept, and gradients as close to float32's as the hand-written half step's."""
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(2, 32, 4, 16)), jnp.float32) for _ in range(3))
+    mask = nn.make_causal_mask(jnp.ones((2, 32)))
+    policy = mpjax.Policy.from_level("O2", half)
+    loss = lambda q, k, v: jnp.sum(jnp.tanh(_attention(q, k, v, mask)))
+    o2 = mpjax.autocast(loss, policy)
+    jaxpr = jax.make_jaxpr(jax.grad(o2, argnums=(0, 1, 2)))(q, k, v).jaxpr
+    scores = 2 * 4 * 32 * 32
+    big = lambda e: int(np.prod(e.outvars[0].aval.shape)) == scores if e.outvars else False
+    # Forward one exp over the scores; backward none (a recompute would take another).
+    assert sum(e.primitive.name == "exp" and big(e) for e in eqns(jaxpr)) == 1
+    kept = memory.residual_bytes(o2, q, k, v)
+    assert kept.get("float32", 0) < scores * 4, kept  # no float32 scores, probabilities
+    hand = lambda q, k, v: jnp.sum(
+        jnp.tanh(_attention(q.astype(half), k.astype(half), v.astype(half), mask))
+    )
+    with jax.default_matmul_precision("highest"):  # the float32 reference
+        ref = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(o2, argnums=(0, 1, 2)))(q, k, v)
+    by_hand = jax.jit(jax.grad(hand, argnums=(0, 1, 2)))(q, k, v)
+    for g, h, want in zip(got, by_hand, ref, strict=True):
+        assert rel_err(g, want) <= rel_err(h, want), (rel_err(g, want), rel_err(h, want))
+
+
+def test_a_masked_softmax_with_a_mask_input_passes_its_mask_back():
+    """A softmax island whose scores pass through a mask the caller gives: the gradient is
+    zero where the mask is off and agrees with float32 where it is on."""
+    r = np.random.default_rng(1)
+    s = jnp.asarray(r.normal(size=(8, 16)), jnp.float32)
+    mask = jnp.asarray(r.random((8, 16)) < 0.7).at[:, 0].set(True)
+    w = jnp.asarray(r.normal(size=(16, 4)), jnp.float32)
+
+    def loss(s, w):
+        p = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1)
+        return jnp.sum(jnp.tanh(p @ w))
+
+    o2 = mpjax.autocast(loss, mpjax.Policy.from_level("O2", jnp.float16))
+    jaxpr = jax.make_jaxpr(jax.grad(o2))(s, w).jaxpr
+    assert sum(e.primitive.name == "exp" for e in eqns(jaxpr)) == 1  # derivative from y
+    got = jax.jit(jax.grad(o2))(s, w)
+    with jax.default_matmul_precision("highest"):  # the float32 reference
+        want = jax.grad(loss)(s, w)
+    assert np.all(np.asarray(got)[~np.asarray(mask)] == 0)
+    assert rel_err(got, want) < 2e-3, rel_err(got, want)
+    assert not memory.residual_bytes(o2, s, w).get("float32", 0) >= s.size * 4

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
@@ -62,6 +63,120 @@ def _statistics(run: list[Any]) -> set[Any]:
         and size(e.outvars[0]) * _STAT_RATIO <= size(e.invars[0])
         and not of_exp(e.invars[0])
     }
+
+
+# Ops a softmax's input may pass through from the region's inputs (a cast up, a mask's fill,
+# moves): each is affine in its float operand, so its backward pass needs no primal value of
+# that operand. And the ops between a reduction and the broadcast of its result back.
+_AFFINE = frozenset(
+    {"convert_element_type", "select_n", "reshape", "broadcast_in_dim", "transpose", "squeeze",
+     "expand_dims", "neg", "name", "copy", "copy_p"}
+)  # fmt: skip
+_REBROADCAST = frozenset({"broadcast_in_dim", "reshape", "name"})
+
+
+def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> Any:
+    """The softmax a region computes, if it is one: ``(z, axes, differentiable ins)`` where the
+    region's one output is a half cast of ``exp(z - m) / sum(exp(z - m), axes)`` with `m`
+    constant along `axes` (a row max), and `z` is affine in the region's float inputs (a cast
+    up, a mask). Else None. Such a region's derivative is ``y * (g - sum(g * y, axes))`` from
+    its half output ``y``, which the next gemm keeps anyway: no float32 copy, no recompute."""
+    if len(outs) != 1:
+        return None
+    made = {u: e for e in run for u in e.outvars}
+
+    def src(v: Any) -> Any:  # through checkpoint names
+        while not isinstance(v, jc.Literal) and v in made and made[v].primitive.name == "name":
+            v = made[v].invars[0]
+        return v
+
+    def eqn(v: Any, name: str) -> Any:
+        e = made.get(src(v)) if not isinstance(v, jc.Literal) else None
+        return e if e is not None and e.primitive.name == name else None
+
+    cast = made.get(outs[0])
+    if cast is None or not _is_half_cast(cast, up=False):
+        return None
+    div = eqn(cast.invars[0], "div")
+    if div is None:
+        return None
+    ex = eqn(div.invars[0], "exp")
+    den = src(div.invars[1])
+    while (
+        not isinstance(den, jc.Literal) and den in made and made[den].primitive.name in _REBROADCAST
+    ):
+        den = src(made[den].invars[0])
+    total = made.get(den) if not isinstance(den, jc.Literal) else None
+    if ex is None or total is None or total.primitive.name != "reduce_sum":
+        return None
+    if src(total.invars[0]) != ex.outvars[0]:
+        return None
+    axes = tuple(total.params["axes"])
+    shape = ex.outvars[0].aval.shape
+    kept = tuple(d for i, d in enumerate(shape) if i not in axes)
+    if tuple(total.outvars[0].aval.shape) != kept or not _along(made, div.invars[1], axes):
+        return None
+    sub = eqn(ex.invars[0], "sub")
+    if sub is None or not _along(made, sub.invars[1], axes):
+        return None
+    z = src(sub.invars[0])
+    if isinstance(z, jc.Literal) or tuple(z.aval.shape) != tuple(shape):
+        return None
+    # z affine in the float inputs it depends on: each op on the way an affine one, at most one
+    # of its operands carrying them (a select's predicate and fill do not).
+    carries: dict[Any, bool] = {v: is_float_dtype(v.aval.dtype) for v in ins}
+    for e in run:
+        got = [not isinstance(u, jc.Literal) and carries.get(u, False) for u in e.invars]
+        for u in e.outvars:
+            carries[u] = any(got)
+    prefix = _ancestors(made, z)
+    for e in prefix:
+        got = [not isinstance(u, jc.Literal) and carries.get(u, False) for u in e.invars]
+        if not any(got):
+            continue
+        name = e.primitive.name
+        if name not in _AFFINE and not (name == "mul" and sum(got) == 1):
+            return None
+        if name == "select_n" and got[0]:
+            return None
+        if name != "select_n" and sum(got) > 1:
+            return None
+    differentiable = [v for v in ins if carries.get(v) and v in _reads(prefix, z)]
+    return z, axes, differentiable
+
+
+def _ancestors(made: dict[Any, Any], v: Any) -> list[Any]:
+    """The equations `v` is computed from, in order."""
+    seen: set[int] = set()
+    todo = [v]
+    while todo:
+        u = todo.pop()
+        e = made.get(u) if not isinstance(u, jc.Literal) else None
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            todo += e.invars
+    return [e for e in dict.fromkeys(made.values()) if id(e) in seen]
+
+
+def _reads(eqns: list[Any], z: Any) -> set[Any]:
+    """The values `eqns` read, and `z` itself (a region input taken as it is)."""
+    return {u for e in eqns for u in e.invars if not isinstance(u, jc.Literal)} | {z}
+
+
+def _along(made: dict[Any, Any], v: Any, axes: tuple[int, ...]) -> bool:
+    """Whether `v` is constant along `axes`: a broadcast along them, through moves that keep
+    them (reshapes inserting unit axes, names, stop_gradient)."""
+    e = made.get(v) if not isinstance(v, jc.Literal) else None
+    while e is not None and e.primitive.name in ("name", "stop_gradient"):
+        e = made.get(e.invars[0])
+    if e is None or e.primitive.name != "broadcast_in_dim":
+        return False
+    in_shape = e.invars[0].aval.shape
+    dims = tuple(e.params["broadcast_dimensions"])
+    for a in axes:
+        if a in dims and in_shape[dims.index(a)] != 1:
+            return False
+    return True
 
 
 def _is_half_cast(eqn: Any, up: bool) -> bool:
@@ -210,7 +325,59 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
                     env[eqn.outvars[0]] = checkpoint_name(env[eqn.outvars[0]], STATISTIC)
             return [env[v] for v in outs]
 
-        return jax.checkpoint(f, policy=SAVE_STATISTICS)
+        soft = _softmax(run, ins, outs)
+        if soft is not None:
+            return _softmax_region(f, run, ins, stacks, soft)
+        # No optimization barrier on the recompute's inputs (prevent_cse): one would make XLA
+        # write the cotangent entering the island (a float32 [N, H, W, C] for a BatchNorm
+        # after a ReLU) instead of fusing it into the island's backward reductions.
+        return jax.checkpoint(f, policy=SAVE_STATISTICS, prevent_cse=False)
+
+    def _softmax_region(
+        f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: Any
+    ) -> Callable[..., Any]:
+        """`f`, a softmax region (see _softmax), whose backward pass computes the softmax's
+        derivative from its half output, as the hand-written half softmax does, instead of
+        recomputing the float32 island: ``dz = y * (g - sum(g * y))`` in float32, then back
+        through the affine ops from the inputs to `z` (a cast up, a mask)."""
+        z, axes, diff = soft
+        made = {u: e for e in run for u in e.outvars}
+        prefix = _ancestors(made, z)
+        stack_of = {id(e): st for e, st in zip(run, stacks, strict=True)}
+        reads = _reads(prefix, z)
+        at = [ins.index(v) for v in diff]
+        kept = [i for i, v in enumerate(ins) if v in reads and i not in at]
+
+        def to_z(diff_vals: Any, kept_vals: Any) -> Any:
+            env = dict(zip([ins[i] for i in at], diff_vals, strict=True))
+            env.update(zip([ins[i] for i in kept], kept_vals, strict=True))
+            for e in prefix:
+                bind(e, env, stack_of[id(e)])
+            return env[z]
+
+        @jax.custom_vjp
+        def region(*vals: Any) -> list[Any]:
+            return f(*vals)
+
+        def fwd(*vals: Any) -> tuple[list[Any], Any]:
+            out = f(*vals)
+            return out, (out[0], [vals[i] for i in kept])
+
+        def bwd(res: Any, cts: Any) -> tuple[Any, ...]:
+            y_half, kept_vals = res
+            y = y_half.astype(np.float32)
+            g = cts[0].astype(np.float32)
+            dz = (y * (g - jnp.sum(g * y, axis=axes, keepdims=True))).astype(z.aval.dtype)
+            zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in diff]
+            _, pull = jax.vjp(lambda *d: to_z(d, kept_vals), *zeros)
+            grads = pull(dz)
+            out: list[Any] = [None] * len(ins)
+            for i, gr in zip(at, grads, strict=True):
+                out[i] = gr
+            return tuple(out)
+
+        region.defvjp(fwd, bwd)
+        return region
 
     # The same island in every layer of a model (a norm, a softmax) is one function: JAX
     # traces a checkpointed function once per input types and caches its derivatives by
