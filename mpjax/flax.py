@@ -47,7 +47,7 @@ def _rule_policy(value: Policy | str, base: Policy) -> Policy:
     if isinstance(value, Policy):
         return value
     if isinstance(value, str):
-        half = base.compute_dtype if base.half else None
+        half = np.dtype(base.compute_dtype) if base.half else None
         return Policy.from_level(value, half)
     raise TypeError(
         f"A rule maps to a Policy or a level string ('O0'..'O3'), got {type(value).__name__}."

@@ -951,7 +951,7 @@ def _primitive_rule(
     name = eqn.primitive.name
     static, held, carried = env.operand_facts(eqn)
     if name in FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
-        invals = env.saturate_fills(eqn, invals, mode.compute_dtype)
+        invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
     known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
     index = [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars]

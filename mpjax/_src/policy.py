@@ -79,28 +79,29 @@ def half_dtype() -> Any:
     return jnp.bfloat16 if _backend_half_dtype() == np.dtype(jnp.bfloat16) else jnp.float16
 
 
-def parse_dtype(value: str) -> np.dtype:
+def parse_dtype(value: str) -> Any:
     """Parses jmp's dtype names ('full', 'half', 'f32', 'bf16', 'float16', ...) into a dtype.
 
     Args:
       value: a dtype name from jmp's grammar; surrounding spaces are ignored.
 
     Returns:
-      The NumPy dtype the name stands for.
+      The JAX scalar type the name stands for (``jnp.bfloat16`` for "bf16"), as jmp's: it
+      works wherever a dtype is expected, and ``parse_dtype("bf16") is jnp.bfloat16``.
 
     Raises:
       ValueError: starting "Unknown dtype", as jmp's, for a name not in the grammar.
 
     Example:
-      >>> import mpjax
-      >>> str(mpjax.parse_dtype("bf16"))
-      'bfloat16'
+      >>> import jax.numpy as jnp, mpjax
+      >>> mpjax.parse_dtype("bf16") is jnp.bfloat16
+      True
     """
     value = value.strip()
     if value == "half":
-        return _backend_half_dtype()
+        return half_dtype()
     try:
-        return _NAME_TO_DTYPE[value]
+        return scalar_type(_NAME_TO_DTYPE[value])
     except KeyError:
         raise ValueError(
             f"Unknown dtype '{value}' must be full,half,float16,bfloat16 or a contraction "
@@ -119,6 +120,15 @@ def _float8_hint(dtype: Any) -> str:
     return _FP8_HINT if "float8" in str(dtype) or str(dtype).startswith("f8") else ""
 
 
+def scalar_type(dtype: Any) -> Any:
+    """`dtype` as JAX's scalar type (``jnp.bfloat16`` for bfloat16), the objects jmp's
+    policies hold: callable, ``is``-comparable with ``jnp.float32``, and a dtype wherever one
+    is expected. A dtype JAX has no scalar type for comes back as a NumPy dtype."""
+    dtype = np.dtype(dtype)
+    found = getattr(jnp, dtype.name, None)
+    return found if found is not None and np.dtype(found) == dtype else dtype
+
+
 def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
     """Returns `dtype` (a dtype, a scalar type or a name) as a floating NumPy dtype.
 
@@ -129,7 +139,7 @@ def canonical_float_dtype(dtype: Any, arg_name: str = "dtype") -> np.dtype:
         raise ValueError(f"{arg_name} is None; pass a dtype such as jnp.float32 or 'bfloat16'.")
     if isinstance(dtype, str):
         try:
-            result = parse_dtype(dtype)
+            result = np.dtype(parse_dtype(dtype))
         except ValueError:
             try:
                 result = np.dtype(dtype)
@@ -310,7 +320,8 @@ class Policy:
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "compute_dtype", "output_dtype"):
-            object.__setattr__(self, name, canonical_float_dtype(getattr(self, name), name))
+            dtype = canonical_float_dtype(getattr(self, name), name)
+            object.__setattr__(self, name, scalar_type(dtype))  # jmp's objects
         if self.level is not None:
             object.__setattr__(self, "level", _check_level(self.level))
         object.__setattr__(self, "lower_ops", ops.check_op_names(self.lower_ops, "lower_ops"))
@@ -420,15 +431,38 @@ class Policy:
         """
         return dataclasses.replace(self, output_dtype=output_dtype)
 
+    def is_plain(self) -> bool:
+        """Whether this is a jmp policy: mpjax's fields beyond jmp's three at their defaults
+        (no level, no op lists, no loss-scaling or reduce dtype). Such a policy's repr and
+        ``dataclasses`` fields are jmp's.
+
+        Example:
+          >>> import mpjax
+          >>> mpjax.get_policy("p=f32,c=bf16,o=f32").is_plain()
+          True
+          >>> mpjax.Policy.from_level("O2", "bfloat16").is_plain()
+          False
+        """
+        return all(
+            getattr(self, f.name) == f.default
+            for name, f in type(self).__dataclass_fields__.items()
+            if name not in _JMP_FIELDS
+        )
+
+    def __repr__(self) -> str:
+        shown = dataclasses.fields(self)
+        return "Policy(" + ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown) + ")"
+
     def __str__(self) -> str:
         # jmp's names: float32 prints as "full".
         names = [
-            _DTYPE_NAMES.get(d, (str(d),))[0]
+            _DTYPE_NAMES.get(np.dtype(d), (str(np.dtype(d)),))[0]
             for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         ]
         text = "p={},c={},o={}".format(*names)
         if self.reduce_dtype is not None:  # mpjax's key, beyond jmp's grammar
-            text += ",r=" + _DTYPE_NAMES.get(self.reduce_dtype, (str(self.reduce_dtype),))[0]
+            reduce = np.dtype(self.reduce_dtype)
+            text += ",r=" + _DTYPE_NAMES.get(reduce, (str(reduce),))[0]
         return text
 
     # -- levels ------------------------------------------------------------------------------
@@ -442,7 +476,7 @@ class Policy:
           >>> mpjax.Policy.from_level("O1", "bfloat16").half, mpjax.Policy.from_level("O0").half
           (True, False)
         """
-        return self.compute_dtype in _HALF_DTYPES
+        return np.dtype(self.compute_dtype) in _HALF_DTYPES
 
     def loss_scale(self) -> loss_scale_lib.LossScale:
         """Returns the loss scale this policy implies.
@@ -459,7 +493,7 @@ class Policy:
         """
         kind = self.loss_scaling
         if kind is None:
-            needs = self.compute_dtype == np.float16 and self.param_dtype == np.float32
+            needs = self.compute_dtype is jnp.float16 and self.param_dtype is jnp.float32
             kind = "dynamic" if needs else "none"
         if kind == "dynamic":
             return loss_scale_lib.DynamicLossScale(np.float32(2.0**15))
@@ -611,6 +645,26 @@ class Policy:
             loss_scaling=loss_scale,
             reduce_dtype=reduce_dtype,
         )
+
+
+_JMP_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
+
+
+class _Fields:
+    """`Policy.__dataclass_fields__` as ``dataclasses`` reads it from an instance: jmp's three
+    fields for a policy whose other fields are at their defaults (one jmp's API makes), so that
+    ``fields``, ``asdict``, ``astuple`` and ``replace`` see jmp's class; all of them for any
+    other policy, and on the class itself."""
+
+    def __init__(self, fields: dict[str, dataclasses.Field[Any]]) -> None:
+        self.all = fields
+        self.jmp = {name: fields[name] for name in _JMP_FIELDS}
+
+    def __get__(self, policy: Any, owner: Any = None) -> dict[str, dataclasses.Field[Any]]:
+        return self.jmp if policy is not None and policy.is_plain() else self.all
+
+
+Policy.__dataclass_fields__ = _Fields(Policy.__dataclass_fields__)  # type: ignore[assignment]
 
 
 def get_policy(policy_name: str) -> Policy:

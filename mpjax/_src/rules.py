@@ -239,10 +239,10 @@ def target_dtype(
             return Decision(Action.CAST, full, Hold.STAT)
         if dyn and all(held[i] for i in dyn):
             return Decision(Action.CAST, full, Hold(min(held[i] for i in dyn)))
-        narrow = _narrow(base.compute_dtype)
+        narrow = _narrow(np.dtype(base.compute_dtype))
         return Decision(Action.CAST, full, Hold.GUARD if narrow else Hold.NONE)
     if mode == "half":
-        return Decision(Action.CAST, base.compute_dtype)
+        return Decision(Action.CAST, np.dtype(base.compute_dtype))
     policy: Policy = mode
     if policy.level == "O0" or not policy.half:
         return Decision(Action.CAST, full)
@@ -278,7 +278,7 @@ def target_dtype(
         return Decision(Action.CAST, full, Hold.STAT)
     hold: int = Hold.NONE
     if name in lower:
-        target = policy.compute_dtype
+        target = np.dtype(policy.compute_dtype)
     else:
         # Weak-typed operands and literals (Python scalars in the source) do not promote, as in
         # jnp; at O2 neither do values computed without float inputs (constants, masks).
@@ -294,7 +294,7 @@ def target_dtype(
         if policy.level == "O1" and bias_add:
             # A matmul's bias is part of it, as in torch's nn.Linear and F.conv under autocast:
             # the half result stays half, instead of promoting every activation to float32.
-            target, hold = policy.compute_dtype, Hold.NONE
+            target, hold = np.dtype(policy.compute_dtype), Hold.NONE
         elif policy.level == "O1":
             strong = [f for f in floats if not f.weak] or floats
             target, hold = _widest([f.dtype for f in strong]), Hold.NONE
@@ -304,13 +304,13 @@ def target_dtype(
             if any(kinds) and name in _CAST_COMMUTES and Hold.STAT not in kinds:
                 # relu of a float32 norm's output: the same as relu of its half cast, so it
                 # runs in half and saves half residuals.
-                target, hold = policy.compute_dtype, Hold.NONE
+                target, hold = np.dtype(policy.compute_dtype), Hold.NONE
             elif any(kinds):
                 # An f32 result meeting half values: the op runs in float32, so a sum of
                 # squares plus an epsilon is not cast down before it divides.
                 target, hold = full, min(kinds) if all(kinds) else Hold.NONE
             else:
-                target, hold = policy.compute_dtype, Hold.NONE
+                target, hold = np.dtype(policy.compute_dtype), Hold.NONE
     explicit = _explicit_half(eqn, fin, policy)
     if explicit is not None and np.dtype(target).itemsize < 4:
         target = explicit
