@@ -156,34 +156,37 @@ def test_audit_of_the_h100_program_on_a_machine_without_a_gpu():
 
 @pytest.mark.slow
 @needs_plugin
-def test_h100_program_of_an_o2_transformer_step_against_the_hand_written_one():
-    """The GPU-cost targets this program meets, counted in the H100 program of the
-    benchmark's Transformer step (benchmarks/gpu_program.py, tiny size): O2 with plain Adam
-    launches at most 1.10x the kernels of the better hand-written bfloat16 step, its gemms
-    all bfloat16, and its norms' statistics are kept, not reduced again backward."""
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+@pytest.mark.parametrize("model", ["transformer", "resnet"])
+def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
+    """The GPU-cost targets, counted in the H100 program of the benchmark's steps
+    (benchmarks/gpu_program.py, tiny size): O2 with plain Adam moves no more bytes than the
+    better hand-written half step (.astype or dtype=) and launches no more kernels (within a
+    kernel or two), its gemms all half, with no reduction beyond the hand-written step's but
+    one. Before softmax islands differentiated from their half output and norm islands
+    recomputed without a barrier, the Transformer took 3 reductions per layer more (its
+    float32 softmax's) and the ResNet moved 1.15x the bytes (float32 BatchNorm cotangents)."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
     import gpu_program as bench
     import memory
 
-    module, x, y = memory.build("transformer", "tiny")
+    module, x, y = memory.build(model, "tiny")
     chosen = dict(bench.variants())
-    rows = {
-        name: bench.count(*bench.abstract_step(module, chosen[name], x, y))
-        for name in ("hand-written bfloat16 (.astype)", "mpjax O2 bfloat16")
-    }
-    hand, o2 = rows["hand-written bfloat16 (.astype)"], rows["mpjax O2 bfloat16"]
-    assert o2["kernels"] <= 1.10 * hand["kernels"], (o2["kernels"], hand["kernels"])
-    assert list(o2["gemm_dtypes"]) == ["bf16 x bf16"]
+    names = (f"hand-written {half} (.astype)", f"hand-written {half} (dtype=)", f"mpjax O2 {half}")
+    rows = {name: bench.count(*bench.abstract_step(module, chosen[name], x, y)) for name in names}
+    hand = min((rows[n] for n in names[:2]), key=lambda r: r["bytes_moved"])
+    o2 = rows[names[2]]
+    # 1.001: the tiny float16 Transformer's 0.02% (a few hundred bytes of its 3 MB).
+    assert o2["bytes_moved"] <= 1.001 * hand["bytes_moved"], (o2["bytes_moved"], hand)
+    assert o2["kernels"] <= 1.02 * hand["kernels"], (o2["kernels"], hand["kernels"])
+    short = {"bfloat16": "bf16", "float16": "f16"}[half]
+    if model == "transformer":
+        assert list(o2["gemm_dtypes"]) == [f"{short} x {short}"]
     assert o2["gemm_dtypes"] == hand["gemm_dtypes"]
-    # The reductions beyond the hand-written step's are the float32 attention softmax's, which
-    # XLA does not fuse into one softmax kernel as it does the half one: its row max and sum
-    # forward and its row sum backward, 3 per layer. A norm reducing again backward to
-    # recompute its statistics would add 2 per norm (11 in all before they were kept).
-    layers = memory.SIZES["transformer"]["tiny"][1]
     extra = o2["by_kind"]["reduction"]["kernels"] - hand["by_kind"]["reduction"]["kernels"]
-    assert extra <= 3 * layers, (extra, layers)
+    assert extra <= 1, extra
 
 
 @pytest.mark.slow
