@@ -1,5 +1,6 @@
-"""Float32 islands as remat regions: float32 values computed from half ones (a softmax's exp
-and sums, a norm's statistics) are recomputed by the backward pass instead of kept."""
+"""Float32 islands as remat regions: float32 values computed from half ones (a norm's
+statistics and the elementwise ops around them) are recomputed by the backward pass instead
+of kept; a softmax island is differentiated from its half output instead (see _softmax)."""
 
 from __future__ import annotations
 
@@ -65,13 +66,11 @@ def _statistics(run: list[Any]) -> set[Any]:
     }
 
 
-# Ops a softmax's input may pass through from the region's inputs (a cast up, a mask's fill,
-# moves): each is affine in its float operand, so its backward pass needs no primal value of
-# that operand. And the ops between a reduction and the broadcast of its result back.
-_AFFINE = frozenset(
-    {"convert_element_type", "select_n", "reshape", "broadcast_in_dim", "transpose", "squeeze",
-     "expand_dims", "neg", "name", "copy", "copy_p"}
-)  # fmt: skip
+# Ops a softmax's input may pass through from the region's inputs (a cast up, a mask's fill):
+# elementwise and affine in their float operand, so their backward pass needs no primal value
+# of that operand, and the cotangent keeps the input's shape and sharding.
+_AFFINE = frozenset({"convert_element_type", "select_n", "neg", "name", "copy", "copy_p"})
+# The ops between a reduction and the broadcast of its result back.
 _REBROADCAST = frozenset({"broadcast_in_dim", "reshape", "name"})
 
 
@@ -142,6 +141,8 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> Any:
         if name != "select_n" and sum(got) > 1:
             return None
     differentiable = [v for v in ins if carries.get(v) and v in _reads(prefix, z)]
+    if any(tuple(v.aval.shape) != tuple(shape) for v in differentiable):
+        return None
     return z, axes, differentiable
 
 
@@ -368,7 +369,9 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
             y = y_half.astype(np.float32)
             g = cts[0].astype(np.float32)
             dz = (y * (g - jnp.sum(g * y, axis=axes, keepdims=True))).astype(z.aval.dtype)
-            zeros = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in diff]
+            # The backward pass of the affine ops needs no primal value: take it at zeros
+            # shaped and placed as the cotangent (the inputs have z's shape, see _softmax).
+            zeros = [jnp.zeros_like(dz, dtype=v.aval.dtype) for v in diff]
             _, pull = jax.vjp(lambda *d: to_z(d, kept_vals), *zeros)
             grads = pull(dz)
             out: list[Any] = [None] * len(ins)
