@@ -137,7 +137,7 @@ def level_variants(halves: tuple[str, ...] = ("float16", "bfloat16")) -> list[tu
         for half in halves:
             out.append((f"{level} {half}", mpjax.Policy.from_level(level, half)))
     if "float16" in halves:
-        noop = mpjax.Policy.from_level("O2", "float16", loss_scale="none")
+        noop = mpjax.Policy.from_level("O2", "float16", loss_scaling="none")
         out.append(("O2 float16 no scaling", noop))
     return out
 

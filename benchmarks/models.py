@@ -228,7 +228,7 @@ def fp8_step(module, x, y):
     fn = functools.partial(loss_and_stats, module, "default")
     fp8_state = mpjax.fp8.init(fn, policy, params, stats, x, y)
     tx = optax.adam(1e-3)
-    grad = mpjax.fp8.value_and_grad(fn, policy, has_aux=True)
+    grad = mpjax.fp8.scaled_value_and_grad(fn, policy, has_aux=True)
 
     def step(params, stats, opt_state, fp8_state):
         (_, new_stats), grads, fp8_state = grad(fp8_state, params, stats, x, y)

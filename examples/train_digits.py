@@ -5,9 +5,9 @@ Each run is the README's train step: a precision policy from ``mpjax.Policy.from
 Flax model wrapped by ``mpjax.flax.wrap``, ``mpjax.loss_scale(optax.sgd(..., momentum=0.9))``
 (the wrap form: a skipped step leaves the params and the momentum untouched) and
 ``mpjax.get_loss_scale`` inside ``jax.jit``. The FP8 run (O2 bfloat16 with FP8 dots,
-``mpjax.fp8.policy("O2")``) differentiates through ``mpjax.fp8.value_and_grad`` and threads its
-delayed-scaling state through the step; its eligible dot (the 1024x128 Dense: sizes that are
-multiples of 16) runs in FP8, the convolutions and the 10-way output in bfloat16.
+``mpjax.fp8.policy("O2")``) differentiates through ``mpjax.fp8.scaled_value_and_grad`` and
+threads its delayed-scaling state through the step; its eligible dot (the 1024x128 Dense:
+sizes that are multiples of 16) runs in FP8, the convolutions and the 10-way output in bfloat16.
 
 The loss scale. Where a level implies one (float16 at O1 and O2) the runs use
 ``mpjax.DynamicLossScale(2.0**24, period=40)`` rather than the default ``(2.0**15,
@@ -153,7 +153,8 @@ def train(
         memory (``temp_bytes`` is None).
     """
     fp8 = level == "fp8"
-    # FP8: the wrapper runs the base policy (O2 bfloat16); value_and_grad runs the dots in FP8.
+    # FP8: the wrapper runs the base policy (O2 bfloat16); scaled_value_and_grad runs the dots
+    # in FP8.
     policy = mpjax.fp8.policy("O2", half) if fp8 else mpjax.Policy.from_level(level, half)
     base = policy.base if fp8 else policy
     scale = base.loss_scale() if scale is None else scale
@@ -186,7 +187,7 @@ def train(
     def train_step(params, stats, opt_state, fp8_state, x, y):
         scale = mpjax.get_loss_scale(opt_state)
         if fp8:
-            grad_fn = mpjax.fp8.value_and_grad(loss_fn, policy, has_aux=True)
+            grad_fn = mpjax.fp8.scaled_value_and_grad(loss_fn, policy, has_aux=True)
             (_, (stats, loss)), grads, fp8_state = grad_fn(fp8_state, params, stats, scale, x, y)
         else:
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

@@ -132,7 +132,7 @@ class _Resolver:
     def region(self, marker: str) -> Iterator[None]:
         """The named scope of a rule's region. A float32 rule also opens the float32 region
         around it: an enclosing interpreter that does not know this wrapper's rules (the one
-        of ``mpjax.fp8.value_and_grad``) then keeps the region in float32 too, out of FP8."""
+        of ``mpjax.fp8.scaled_value_and_grad``) then keeps the region in float32 too, out of FP8."""
         rule = self.markers.get(marker)
         outer = rule is not None and (rule.level == "O0" or not rule.half)
         with contextlib.ExitStack() as stack:
@@ -564,7 +564,7 @@ def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) ->
 
     With an FP8 policy (``mpjax.fp8.policy("O2")``) the module runs under its base policy,
     rules included; its eligible dots run in FP8 where the loss that calls it goes through
-    ``mpjax.fp8.value_and_grad`` (or ``mpjax.fp8.apply``), and in the base half dtype
+    ``mpjax.fp8.scaled_value_and_grad`` (or ``mpjax.fp8.apply``), and in the base half dtype
     elsewhere. Regions that a rule keeps in float32 (``"O0"``, and norms with
     ``keep_norm_fp32``) stay out of FP8.
 
@@ -591,7 +591,7 @@ def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) ->
       (dtype(bfloat16), dtype(bfloat16))
     """
     if isinstance(policy, FP8Policy):
-        policy = policy.base  # FP8 itself comes from mpjax.fp8.value_and_grad around the loss
+        policy = policy.base  # FP8 itself: mpjax.fp8.scaled_value_and_grad around the loss
     if not isinstance(policy, Policy):
         raise TypeError(
             f"wrap needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
@@ -728,71 +728,28 @@ class TrainState(train_state.TrainState):
           >>> loss.item(), grads["w"].tolist()   # the loss unscaled, the grads of 8 * loss
           (6.0, [24.0, 24.0])
         """
-        return transform.value_and_grad(loss_fn, has_aux=has_aux)(
+        return transform.scaled_value_and_grad(loss_fn, has_aux=has_aux)(
             self.opt_state, self.params, *args
         )
 
 
-def value_and_grad(fun: Callable, optimizer: Any, *, has_aux: bool = False) -> Callable:
-    """NNX's loss scaling: ``g(model, *args) -> (value, grads)`` for ``optimizer.update``.
+def _value_and_grad(fun: Callable, optimizer: Any, *, has_aux: bool = False) -> Callable:
+    grad_fn = transform.scaled_value_and_grad(fun, has_aux=has_aux)
+    return lambda model, *args, **kwargs: grad_fn(optimizer, model, *args, **kwargs)
 
-    The NNX counterpart of :func:`mpjax.value_and_grad` and linen's :meth:`TrainState.grad`:
-    it scales ``fun(model, *args)`` by the current scale of the ``mpjax.loss_scale`` in
-    ``optimizer`` (an ``nnx.Optimizer``), differentiates it with ``nnx.value_and_grad``
-    (with respect to the model's ``nnx.Param`` s), and returns the loss unscaled and the
-    gradients of the scaled loss, which ``optimizer.update(model, grads)`` unscales, checks,
-    skips and adjusts. Call it inside the ``nnx.jit`` train step.
 
-    Args:
-      fun: the loss, ``fun(model, *args, **kwargs)`` returning a float scalar (or
-        ``(loss, aux)`` with `has_aux`).
-      optimizer: the ``nnx.Optimizer`` whose ``tx`` holds ``mpjax.loss_scale``.
-      has_aux: whether `fun` returns ``(loss, aux)``.
-
-    Returns:
-      A function of ``(model, *args, **kwargs)``.
-
-    Raises:
-      ValueError: if the optimizer's state holds no loss-scale state.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, mpjax, mpjax.flax
-      >>> from flax import nnx
-      >>> policy = mpjax.Policy.from_level("O2", "float16")
-      >>> model = mpjax.flax.wrap(nnx.Linear(3, 1, rngs=nnx.Rngs(0)), policy)
-      >>> tx = mpjax.loss_scale(optax.adam(1e-2), scale=policy.loss_scale())
-      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-      >>> @nnx.jit
-      ... def train_step(model, optimizer, x, y):
-      ...     loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
-      ...     loss, grads = mpjax.flax.value_and_grad(loss_fn, optimizer)(model)
-      ...     optimizer.update(model, grads)
-      ...     return loss
-      >>> x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
-      >>> losses = [float(train_step(model, optimizer, x, y)) for _ in range(5)]
-      >>> metrics = mpjax.loss_scale_metrics(optimizer.opt_state)
-      >>> losses[-1] < losses[0], int(metrics["skipped_steps"])
-      (True, 0)
-    """
-
-    def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
-        scale = transform.get_loss_scale(optimizer.opt_state)
-
-        def scaled(m: Any, *a: Any, **k: Any) -> Any:
-            out = fun(m, *a, **k)
-            return scale.scale(out[0] if has_aux else out), out
-
-        (_, out), grads = nnx.value_and_grad(scaled, has_aux=True)(model, *args, **kwargs)
-        return out, grads
-
-    return wrapped
+# Renamed: mpjax.scaled_value_and_grad(fun)(optimizer, model, ...) is the NNX form.
+value_and_grad = transform.renamed(
+    "mpjax.flax.value_and_grad(fun, optimizer)(model, ...)",
+    "mpjax.scaled_value_and_grad(fun)(optimizer, model, ...)",
+    _value_and_grad,
+)
 
 
 __all__ = [
     "LinenWrapped",
+    "module_scopes",
     "NNXWrapped",
     "TrainState",
-    "module_scopes",
-    "value_and_grad",
     "wrap",
 ]

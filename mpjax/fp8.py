@@ -16,23 +16,24 @@ from mpjax._src.fp8 import (
     merge,
     policy,
     qdq,
+    scaled_value_and_grad,
     update,
-    value_and_grad,
 )
+from mpjax._src.fp8 import value_and_grad as value_and_grad  # renamed: warns, one release
 
 __all__ = (
+    "apply",
     "CurrentScaling",
     "DelayedScaling",
-    "FP8Policy",
-    "FP8State",
-    "apply",
     "describe",
     "fp8_dot_general",
     "fp8_max",
+    "FP8Policy",
+    "FP8State",
     "init",
     "merge",
     "policy",
     "qdq",
+    "scaled_value_and_grad",
     "update",
-    "value_and_grad",
 )

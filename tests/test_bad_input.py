@@ -30,8 +30,8 @@ ERRORS = [
     (lambda: mpjax.Policy.from_level(None), TypeError, "level must be a string"),
     (lambda: mpjax.Policy.from_level("O1", "float64"), ValueError, "float16 or bfloat16"),
     (lambda: mpjax.Policy.from_level("O1", lower_ops={"matmul"}), ValueError, "Unknown op name"),
-    (lambda: mpjax.Policy.from_level("O1", loss_scale=0), ValueError, "positive finite float, got 0.0"),
-    (lambda: mpjax.Policy.from_level("O1", loss_scale=True), TypeError, "must be a float, got bool"),
+    (lambda: mpjax.Policy.from_level("O1", loss_scaling=0), ValueError, "positive finite float, got 0.0"),
+    (lambda: mpjax.Policy.from_level("O1", loss_scaling=True), TypeError, "must be a float, got bool"),
     (lambda: mpjax.get_policy(None), TypeError, "takes a string"),
     (lambda: mpjax.get_policy("p=f32,c=fp8"), ValueError, "Unknown dtype 'fp8'"),
     (lambda: mpjax.get_policy("p:f32"), ValueError, "Unknown dtype 'p:f32'"),
@@ -144,7 +144,7 @@ def test_warnings_for_calls_that_do_nothing(call, words):
 def test_what_jmp_accepts_works():
     # An int scale (the old mpjax raised), a whole float period and a zero floor, as jmp.
     assert mpjax.StaticLossScale(2).loss_scale == 2.0
-    assert mpjax.Policy.from_level("O2", "float16", loss_scale=1024).loss_scale() == (
+    assert mpjax.Policy.from_level("O2", "float16", loss_scaling=1024).loss_scale() == (
         mpjax.StaticLossScale(1024.0)
     )
     ls = mpjax.DynamicLossScale(4.0, period=5.0, min_loss_scale=0.0)

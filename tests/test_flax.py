@@ -578,7 +578,7 @@ def test_nnx_value_and_grad_is_the_hand_scaled_step_bit_for_bit(half, rng):
         def step(model, optimizer):
             if helper:
                 fn = lambda m: ce_loss(m(x), labels)
-                loss, grads = mpjax.flax.value_and_grad(fn, optimizer)(model)
+                loss, grads = mpjax.scaled_value_and_grad(fn)(optimizer, model)
             else:
                 scale = mpjax.get_loss_scale(optimizer.opt_state)
                 fn = lambda m: scale.scale(ce_loss(m(x), labels))
@@ -594,7 +594,7 @@ def test_nnx_value_and_grad_is_the_hand_scaled_step_bit_for_bit(half, rng):
     # has_aux: (loss, aux) comes back as the function returned it, the loss unscaled (the
     # MLP has dropout, so the loss is compared with the one the call itself computed).
     fn = lambda m: (lambda loss: (loss, loss * 1.0))(ce_loss(m(x), labels))
-    (loss, aux), _ = mpjax.flax.value_and_grad(fn, optimizer, has_aux=True)(model)
+    (loss, aux), _ = mpjax.scaled_value_and_grad(fn, has_aux=True)(optimizer, model)
     assert float(loss) == float(aux) and 0 < float(loss) < 10
 
 
@@ -602,4 +602,4 @@ def test_nnx_value_and_grad_needs_a_loss_scale_in_the_optimizer():
     model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(ValueError, match="loss"):
-        mpjax.flax.value_and_grad(lambda m: m(jnp.ones((1, 2))).sum(), optimizer)(model)
+        mpjax.scaled_value_and_grad(lambda m: m(jnp.ones((1, 2))).sum())(optimizer, model)

@@ -61,7 +61,7 @@ def test_representable_inputs_match_bf16_reference(rng, level):
     np.testing.assert_allclose(np.asarray(out, np.float64), exact, rtol=2.0**-8, atol=1e-6)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2.0**-7, atol=1e-2)
 
-    loss, grads, _ = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))(state, w, x, dy)
+    loss, grads, _ = jax.jit(mpjax.fp8.scaled_value_and_grad(_loss, pol))(state, w, x, dy)
     ref_loss, ref_grads = jax.value_and_grad(mpjax.autocast(_loss, pol.base))(w, x, dy)
     # The loss's terms cancel: judge it against the sum of their magnitudes (the bf16
     # reference rounds each product before the sum, FP8 accumulates in float32).
@@ -76,7 +76,7 @@ def test_random_normal_relative_error(rng):
     dy = jnp.asarray(rng.normal(size=(32, 48)), jnp.float32)
     pol = mpjax.fp8.policy("O1")
     state = mpjax.fp8.init(_loss, pol, w, x, dy)
-    step = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(_loss, pol))
     _, _, state = step(state, w, x, dy)  # the first step sets the scales from the amaxes
     loss, grads, _ = step(state, w, x, dy)
     x64, w64, dy64 = (np.asarray(a, np.float64) for a in (x, w, dy))
@@ -139,7 +139,7 @@ def test_state_matches_numpy_recipe(rng, algo, margin):
     steps = [draw(i) for i in range(5)]
     state = mpjax.fp8.init(_two_site_loss, pol, *steps[0])
     assert state.num_sites == 2
-    step_fn = jax.jit(mpjax.fp8.value_and_grad(_two_site_loss, pol))
+    step_fn = jax.jit(mpjax.fp8.scaled_value_and_grad(_two_site_loss, pol))
     expected = []
     for (w, w2), x, dy, x2, dy2 in steps:
         state = step_fn(state, (w, w2), x, dy, x2, dy2)[2]
@@ -169,7 +169,7 @@ def test_no_retrace_after_first_step(rng):
     x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
     state = mpjax.fp8.init(loss, pol, w, x)
     traces.clear()
-    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     for _ in range(4):
         _, g, new = step(state, w, x)
         assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(state)
@@ -186,7 +186,7 @@ def test_merge_keeps_the_max_amax(rng):
     xs = [jnp.asarray(rng.normal(size=(16, 32)) * f, jnp.float32) for f in (1.0, 5.0, 2.0)]
     dys = [jnp.asarray(rng.normal(size=(16, 16)) * f, jnp.float32) for f in (3.0, 1.0, 2.0)]
     state = mpjax.fp8.init(_loss, pol, w, xs[0], dys[0])
-    step = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(_loss, pol))
     news = [step(state, w, x, dy)[2] for x, dy in zip(xs, dys)]
     merged = jax.jit(mpjax.fp8.merge)(news)
     amax = np.array(
@@ -221,7 +221,7 @@ def test_shared_weight_two_sites_by_hand():
 
     pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=1))
     state = mpjax.fp8.init(loss, pol, w, x1, x2)
-    _, grads, state = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x1, x2)
+    _, grads, state = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, w, x1, x2)
     np.testing.assert_array_equal(
         np.asarray(state.amax_history[..., 0]), [[2.0, 1.0, 0.5], [3.0, 1.0, 0.25]]
     )
@@ -243,7 +243,7 @@ def test_small_dots_and_while_bodies_stay_in_half(rng):
     with pytest.warns(UserWarning, match="no dot_general that can run in FP8"):
         state = mpjax.fp8.init(loss, pol, w, x, m)
     assert state.num_sites == 0
-    value, grads, _ = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, w, x, m)
+    value, grads, _ = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, w, x, m)
     ref_value, ref_grads = jax.value_and_grad(mpjax.autocast(loss, pol.base))(w, x, m)
     # bfloat16-level agreement (XLA may fuse the two programs differently); FP8 would be ~5% off
     np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-2)
@@ -276,7 +276,7 @@ def test_switch_branch_sites_by_hand(branch):
     loss = _branchy(jnp.int32(branch))
     state = mpjax.fp8.init(loss, pol, ws, x)
     assert state.num_sites == 4
-    value, grads, new = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, ws, x)
+    value, grads, new = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, ws, x)
     c, kmax, g = (1.0, 2.0, 0.5)[branch], 2.0 ** -(branch + 1), 1.0 / 512
     expected = np.zeros((4, 3))
     expected[0] = [1.0, 0.25, c * kmax * 32 * g]
@@ -306,7 +306,7 @@ def test_cond_sites_on_random_inputs_follow_the_taken_branch(rng):
     x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
     pol = mpjax.fp8.policy("O2")
     state = mpjax.fp8.init(loss, pol, ws, x, True)
-    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     for pick in (True, False):
         value, grads, new = step(state, ws, x, pick)
         ref_value, ref_grads = jax.value_and_grad(loss)(ws, x, pick)  # float32
@@ -343,7 +343,7 @@ def test_scan_site_amax_is_max_over_layers_by_hand(jit):
     pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.DelayedScaling(amax_history_len=2))
     state = mpjax.fp8.init(loss, pol, ws, x, dy)
     assert state.num_sites == 1  # one dot in the body, however many times it runs
-    step = mpjax.fp8.value_and_grad(loss, pol)
+    step = mpjax.fp8.scaled_value_and_grad(loss, pol)
     step = jax.jit(step) if jit else step
     value, grads, new = step(state, ws, x, dy)
     amax = np.asarray(new.amax_history[0, :, 0])
@@ -405,8 +405,8 @@ def test_scan_site_matches_unrolled_layers(rng, kind):
     state = mpjax.fp8.init(scan_loss, pol, ws, x, dy)
     state_u = mpjax.fp8.init(unrolled_loss, pol, ws, x, dy)
     assert state.num_sites == 2 and state_u.num_sites == 1 + n
-    value, grads, new = jax.jit(mpjax.fp8.value_and_grad(scan_loss, pol))(state, ws, x, dy)
-    value_u, grads_u, new_u = jax.jit(mpjax.fp8.value_and_grad(unrolled_loss, pol))(
+    value, grads, new = jax.jit(mpjax.fp8.scaled_value_and_grad(scan_loss, pol))(state, ws, x, dy)
+    value_u, grads_u, new_u = jax.jit(mpjax.fp8.scaled_value_and_grad(unrolled_loss, pol))(
         state_u, ws, x, dy
     )
     amax, amax_u = np.asarray(new.amax_history[..., 0]), np.asarray(new_u.amax_history[..., 0])
@@ -430,14 +430,14 @@ def test_vmap_and_has_aux(rng):
     w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
     xs = jnp.asarray(rng.normal(size=(4, 16, 32)), jnp.float32)
     state = mpjax.fp8.init(lambda w, x: loss(w, x)[0], pol, w, xs[0])
-    f = mpjax.fp8.value_and_grad(lambda w, x: loss(w, x)[0], pol)
+    f = mpjax.fp8.scaled_value_and_grad(lambda w, x: loss(w, x)[0], pol)
     (losses, grads, states) = jax.jit(jax.vmap(f, in_axes=(None, None, 0)))(state, w, xs)
     for i in range(4):
         li, gi, si = f(state, w, xs[i])
         np.testing.assert_allclose(float(losses[i]), float(li), rtol=1e-5)
         np.testing.assert_allclose(np.asarray(grads[i]), np.asarray(gi), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(states.scale[i]), np.asarray(si.scale), rtol=1e-6)
-    (value, aux), _, _ = mpjax.fp8.value_and_grad(loss, pol, has_aux=True)(state, w, xs[0])
+    (value, aux), _, _ = mpjax.fp8.scaled_value_and_grad(loss, pol, has_aux=True)(state, w, xs[0])
     np.testing.assert_allclose(float(value), float(jnp.mean(aux**2)), rtol=1e-6)
     assert aux.dtype == jnp.float32  # outputs in the base policy's output dtype
 
@@ -448,12 +448,12 @@ def test_errors():
     with pytest.raises(ValueError, match="half-precision base"):
         mpjax.fp8.FP8Policy(mpjax.Policy.from_level("O0"))
     with pytest.raises(TypeError, match="FP8Policy"):
-        mpjax.fp8.value_and_grad(_loss, mpjax.Policy.from_level("O1"))
+        mpjax.fp8.scaled_value_and_grad(_loss, mpjax.Policy.from_level("O1"))
     pol = mpjax.fp8.policy()
     w, x = jnp.ones((32, 16)), jnp.ones((16, 32))
     state = mpjax.fp8.init(lambda w, x: jnp.sum(x @ w), pol, w, x)
     with pytest.raises(ValueError, match="dot sites"):
-        mpjax.fp8.value_and_grad(lambda w, x: jnp.sum(x @ w @ w.T), pol)(state, w, x)
+        mpjax.fp8.scaled_value_and_grad(lambda w, x: jnp.sum(x @ w @ w.T), pol)(state, w, x)
 
 
 def test_current_scaling_quantizes_each_tensor_with_its_own_amax(rng):
@@ -470,7 +470,7 @@ def test_current_scaling_quantizes_each_tensor_with_its_own_amax(rng):
         state = mpjax.fp8.init(_loss, pol, w, x, dy)
         out = jax.jit(mpjax.fp8.apply(lambda w, x: x @ w, pol))(state, w, x)
         errors[name] = np.linalg.norm(np.asarray(out, np.float64) - exact) / np.linalg.norm(exact)
-        loss, grads, new = jax.jit(mpjax.fp8.value_and_grad(_loss, pol))(state, w, x, dy)
+        loss, grads, new = jax.jit(mpjax.fp8.scaled_value_and_grad(_loss, pol))(state, w, x, dy)
         ref = jax.grad(_loss)(w, x, dy)
         grad_err = float(jnp.linalg.norm(grads - ref) / jnp.linalg.norm(ref))
         if name == "current":
@@ -487,7 +487,7 @@ def test_current_scaling_of_a_zero_or_inf_tensor_quantizes_at_scale_one():
     w, dy = jnp.ones((32, 16)), jnp.ones((16, 16))
     state = mpjax.fp8.init(_loss, pol, w, jnp.zeros((16, 32)), dy)
     assert state.num_sites == 1
-    loss, grads, _ = mpjax.fp8.value_and_grad(_loss, pol)(state, w, jnp.zeros((16, 32)), dy)
+    loss, grads, _ = mpjax.fp8.scaled_value_and_grad(_loss, pol)(state, w, jnp.zeros((16, 32)), dy)
     assert float(loss) == 0.0 and bool(jnp.isfinite(grads).all())
     x = jnp.ones((16, 32)).at[0, 0].set(jnp.inf)
     out = mpjax.fp8.apply(lambda w, x: x @ w, pol)(state, w, x)

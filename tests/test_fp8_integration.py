@@ -77,7 +77,7 @@ def _cos(a, b):
 
 
 def _steps(loss, pol, state, params, x, y, n=3, exact=False):
-    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     if exact:
         # Every bfloat16 rounding kept, whatever the fusions: without it XLA skips some roundings
         # inside a fusion ("excess precision"), so one function compiled with other fusions
@@ -95,7 +95,8 @@ def _train_step(loss, pol, tx):
 
     @jax.jit
     def train_step(params, opt_state, fp8_state, x, y):
-        value, grads, fp8_state = mpjax.fp8.value_and_grad(loss, pol)(fp8_state, params, x, y)
+        grad_fn = mpjax.fp8.scaled_value_and_grad(loss, pol)
+        value, grads, fp8_state = grad_fn(fp8_state, params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, fp8_state, value
 
@@ -213,7 +214,7 @@ def test_linen_nn_cond_heads_are_sites_and_the_taken_one_updates(rng):
 
     state = mpjax.fp8.init(loss, pol, params, x, y, True)
     assert state.num_sites == 3  # the first Dense, then the heads (false branch first)
-    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     for use_a, taken, head in ((True, 2, "head_a"), (False, 1, "head_b")):
         value, grads, new = step(state, params, x, y, use_a)
         ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y, use_a, raw)  # float32
@@ -243,14 +244,14 @@ def test_optax_chain_never_sees_the_fp8_state(rng):
     def train_step(params, opt_state, fp8_state, x, y):
         traces.append(1)
         scale = mpjax.get_loss_scale(opt_state)
-        grad_fn = mpjax.fp8.value_and_grad(lambda p, x, y: scale.scale(loss(p, x, y)), pol)
+        grad_fn = mpjax.fp8.scaled_value_and_grad(lambda p, x, y: scale.scale(loss(p, x, y)), pol)
         value, grads, new_fp8 = grad_fn(fp8_state, params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, new_fp8, scale.unscale(value)
 
     for _ in range(3):
         expected = jax.jit(
-            lambda o, f, p, x, y: mpjax.fp8.value_and_grad(
+            lambda o, f, p, x, y: mpjax.fp8.scaled_value_and_grad(
                 lambda p, x, y: mpjax.get_loss_scale(o).scale(loss(p, x, y)), pol
             )(f, p, x, y)[2]
         )(opt_state, fp8_state, params, x, y)
@@ -269,7 +270,7 @@ def test_grad_of_apply_matches_value_and_grad(rng):
     loss, params, x, y = _linen(pol, rng)
     state = mpjax.fp8.init(loss, pol, params, x, y)
     _, _, state = _steps(loss, pol, state, params, x, y, n=1)
-    _, grads, _ = jax.jit(mpjax.fp8.value_and_grad(loss, pol))(state, params, x, y)
+    _, grads, _ = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, params, x, y)
     by_grad = jax.jit(jax.grad(lambda p: mpjax.fp8.apply(loss, pol)(state, p, x, y)))(params)
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(by_grad)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
@@ -311,7 +312,7 @@ def test_vmap_over_an_ensemble_of_models(rng):
     members = [MLP().init(jax.random.key(i), x)["params"] for i in range(2)]
     stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *members)
     states = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), state)
-    f = mpjax.fp8.value_and_grad(loss, pol)
+    f = mpjax.fp8.scaled_value_and_grad(loss, pol)
     values, grads, new = jax.jit(jax.vmap(f, in_axes=(0, 0, None, None)))(states, stacked, x, y)
     for i, p in enumerate(members):
         vi, gi, si = jax.jit(f)(state, p, x, y)
@@ -399,7 +400,7 @@ def test_fp8_dot_overflow_is_found_skipped_and_keeps_the_scales(rng):
     @jax.jit
     def train_step(params, opt_state, fp8_state, x, y):
         scale = mpjax.get_loss_scale(opt_state)
-        grad_fn = mpjax.fp8.value_and_grad(lambda p, x, y: scale.scale(loss(p, x, y)), pol)
+        grad_fn = mpjax.fp8.scaled_value_and_grad(lambda p, x, y: scale.scale(loss(p, x, y)), pol)
         _, grads, new_fp8 = grad_fn(fp8_state, params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, new_fp8, grads
@@ -436,7 +437,7 @@ def test_inf_input_saturates_in_fp8_and_keeps_the_scale(rng):
     loss, params, x, y = _linen(pol, rng)
     state = mpjax.fp8.init(loss, pol, params, x, y)
     _, _, state = _steps(loss, pol, state, params, x, y, n=1)
-    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     value, grads, new = step(state, params, x.at[3, 5].set(jnp.inf), y)
     assert np.isfinite(float(value))
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))

@@ -218,7 +218,7 @@ def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm):
 
     pol = mpjax.fp8.policy("O2")
     state = mpjax.fp8.init(loss, pol, params, x, y)
-    step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     fp8 = mpjax.audit(step, state, params, x, y, target="h100", gemm=gemm).gpu
     # 4 forward, 3 input-gradient (the first layer's input needs none), 4 weight-gradient.
     assert fp8.gemm_dtypes() == {

@@ -434,7 +434,7 @@ def test_train_state_wraps_it_in_loss_scale_and_matches_the_functional_step():
 
     import mpjax.flax
 
-    policy = mpjax.Policy.from_level("O2", "float16", master_weights=False, loss_scale="dynamic")
+    policy = mpjax.Policy.from_level("O2", "float16", master_weights=False, loss_scaling="dynamic")
     model = mpjax.flax.wrap(nn.Dense(4), policy)
     x = jax.random.normal(jax.random.key(0), (16, 8))
     y = jnp.cos(x[:, :4])

@@ -281,15 +281,15 @@ def test_overrides_that_make_sense():
     o3 = mpjax.Policy.from_level("O3", "float16", master_weights=True, keep_norm_fp32=True)
     assert (o3.param_dtype, o3.compute_dtype, o3.keep_norm_fp32) == (F32, F16, True)
     with pytest.warns(UserWarning, match="bfloat16 has float32's exponent range"):
-        bf = mpjax.Policy.from_level("O1", "bfloat16", loss_scale="dynamic")
+        bf = mpjax.Policy.from_level("O1", "bfloat16", loss_scaling="dynamic")
     assert isinstance(bf.loss_scale(), mpjax.DynamicLossScale)
-    static = mpjax.Policy.from_level("O2", "float16", loss_scale=1024.0).loss_scale()
+    static = mpjax.Policy.from_level("O2", "float16", loss_scaling=1024.0).loss_scale()
     assert isinstance(static, mpjax.StaticLossScale) and static.loss_scale == 1024.0
     # An int is accepted, as jmp's StaticLossScale accepts one, and kept as a float.
-    from_int = mpjax.Policy.from_level("O2", "float16", loss_scale=1024)
-    assert from_int == mpjax.Policy.from_level("O2", "float16", loss_scale=1024.0)
+    from_int = mpjax.Policy.from_level("O2", "float16", loss_scaling=1024)
+    assert from_int == mpjax.Policy.from_level("O2", "float16", loss_scaling=1024.0)
     assert from_int.loss_scaling == 1024.0 and isinstance(from_int.loss_scaling, float)
-    none = mpjax.Policy.from_level("O2", "float16", loss_scale="none").loss_scale()
+    none = mpjax.Policy.from_level("O2", "float16", loss_scaling="none").loss_scale()
     assert isinstance(none, mpjax.NoOpLossScale)
 
 
@@ -301,12 +301,12 @@ def test_overrides_that_make_sense():
         (float("inf"), ValueError, "positive finite"),
         (float("nan"), ValueError, "positive finite"),
         (-2.0, ValueError, "positive finite"),
-        ("dynamc", ValueError, "Unknown loss_scale 'dynamc'"),
+        ("dynamc", ValueError, "Unknown loss_scaling 'dynamc'"),
     ],
 )
 def test_bad_loss_scale_override(bad, error, match):
     with pytest.raises(error, match=match):
-        mpjax.Policy.from_level("O2", "float16", loss_scale=bad)
+        mpjax.Policy.from_level("O2", "float16", loss_scaling=bad)
 
 
 def test_plain_policy_derives_its_loss_scale():
@@ -417,13 +417,13 @@ def test_loss_scaling_asked_for_with_bfloat16_warns_once(monkeypatch):
 
     monkeypatch.setattr(policy_lib, "_warned_bfloat16_scaling", False)
     with pytest.warns(UserWarning, match="bfloat16 has float32's exponent range") as record:
-        mpjax.Policy.from_level("O2", "bfloat16", loss_scale="dynamic")
-        mpjax.Policy.from_level("O1", "bfloat16", loss_scale=1024.0)
+        mpjax.Policy.from_level("O2", "bfloat16", loss_scaling="dynamic")
+        mpjax.Policy.from_level("O1", "bfloat16", loss_scaling=1024.0)
     assert len([w for w in record if "exponent range" in str(w.message)]) == 1
     assert record[0].filename == __file__  # points at the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mpjax.Policy.from_level("O2", "float16", loss_scale="dynamic")
+        mpjax.Policy.from_level("O2", "float16", loss_scaling="dynamic")
         mpjax.Policy.from_level("O2", "bfloat16")
 
 

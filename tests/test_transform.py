@@ -625,7 +625,7 @@ def test_value_and_grad_is_the_hand_scaled_step_bit_for_bit():
         @jax.jit
         def step(p, s):
             if helper:
-                loss, g = mpjax.value_and_grad(loss_fn)(s, p, x)
+                loss, g = mpjax.scaled_value_and_grad(loss_fn)(s, p, x)
             else:
                 scale = mpjax.get_loss_scale(s)
                 loss, g = jax.value_and_grad(lambda p: scale.scale(loss_fn(p, x)))(p)
@@ -640,4 +640,4 @@ def test_value_and_grad_is_the_hand_scaled_step_bit_for_bit():
         runs.append((p, s, losses))
     assert_trees_bit_identical(runs[0], runs[1])
     with pytest.raises(ValueError, match="loss"):
-        mpjax.value_and_grad(loss_fn)(optax.adam(0.1).init(params), params, x)
+        mpjax.scaled_value_and_grad(loss_fn)(optax.adam(0.1).init(params), params, x)

@@ -166,7 +166,7 @@ class AuditReport:
           >>> pol = mpjax.fp8.policy("O2")
           >>> w, x = jnp.ones((32, 16)), jnp.ones((16, 32))
           >>> state = mpjax.fp8.init(f, pol, w, x)
-          >>> report = mpjax.audit(mpjax.fp8.value_and_grad(f, pol), state, w, x)
+          >>> report = mpjax.audit(mpjax.fp8.scaled_value_and_grad(f, pol), state, w, x)
           >>> [m.fp8_dtypes for m in report.fp8_matmuls], report.fp8_flop_share
           ([('float8_e4m3fn', 'float8_e4m3fn'), ('float8_e5m2', 'float8_e4m3fn')], 1.0)
         """

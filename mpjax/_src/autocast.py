@@ -1269,10 +1269,12 @@ def autocast(
     unless autocast leaves it by design; ``strict=True`` raises instead. At O0 `fn` is
     returned as-is.
 
-    Memory: float32 values computed from half ones (a softmax, a norm's statistics, a loss)
-    are recomputed for the backward pass from those half values (a ``jax.checkpoint`` region
-    per island) instead of being kept in float32, and a remat of `fn`'s own keeps its policy
-    and, at O2, half operands and results. The Memory guide has the measurements.
+    Memory: float32 values computed from half ones (a norm's statistics, a loss) are
+    recomputed for the backward pass from those half values (a ``jax.checkpoint`` region per
+    island) instead of being kept in float32; a float32 softmax whose result is cast to half
+    is differentiated from that half result, as a half softmax is; and a remat of `fn`'s own
+    keeps its policy and, at O2, half operands and results. The Memory guide has the
+    measurements.
 
     Args:
       fn: any JAX function of arrays (non-array arguments are treated as static).
@@ -1305,8 +1307,9 @@ def autocast(
         raise TypeError(
             "autocast takes an mpjax.Policy; an FP8 policy runs through mpjax.fp8: "
             "mpjax.fp8.init(loss_fn, policy, *args) for its state, then "
-            "mpjax.fp8.value_and_grad(loss_fn, policy) to train or mpjax.fp8.apply(fn, policy) "
-            "to evaluate (or mpjax.autocast(fn, policy.base) for its half policy alone)."
+            "mpjax.fp8.scaled_value_and_grad(loss_fn, policy) to train or "
+            "mpjax.fp8.apply(fn, policy) to evaluate (or mpjax.autocast(fn, policy.base) for its "
+            "half policy alone)."
         )
     if not isinstance(policy, Policy):
         raise TypeError(

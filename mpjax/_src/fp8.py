@@ -16,7 +16,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
-from mpjax._src import interpret
+from mpjax._src import interpret, transform
 from mpjax._src.policy import Policy
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -408,7 +408,7 @@ def update(state: FP8State, amax: jax.Array) -> FP8State:
 def merge(states: Sequence[FP8State]) -> FP8State:
     """Combines the states that microbatches of one step produced from the same state.
 
-    Gradient accumulation: each microbatch's :func:`value_and_grad` returns a new state; the
+    Gradient accumulation: each microbatch's :func:`scaled_value_and_grad` returns a new state; the
     merged one holds, for each tensor, the largest amax of the step (not the last
     microbatch's, as the gradient-overwrite trick keeps, nor their sum), and its scale.
 
@@ -673,7 +673,7 @@ def _num_mismatch(expected: int, got: int) -> ValueError:
 def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
     """Returns ``f(state, *args)``: `fn` run with FP8 dots at the state's scales (no update).
 
-    For evaluation; training uses :func:`value_and_grad`, which also returns the new state.
+    For evaluation; training uses :func:`scaled_value_and_grad`, which also returns the new state.
 
     Example:
       >>> import jax.numpy as jnp, mpjax.fp8
@@ -698,10 +698,14 @@ def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
     return wrapped
 
 
-def value_and_grad(
+def scaled_value_and_grad(
     fn: Callable[..., Any], pol: FP8Policy, *, has_aux: bool = False
 ) -> Callable[..., Any]:
     """Returns ``f(state, params, *args) -> (value, grads, new_state)`` with FP8 dots.
+
+    The contract of :func:`mpjax.scaled_value_and_grad` (the scaling state first, then what
+    is differentiated, then the batch; the value, then the gradients), plus the FP8 state's
+    next scales, which only this step's backward pass knows.
 
     `fn(params, *args)` runs under ``pol.base`` with its eligible dots in FP8 at the
     state's scales; `grads` is the gradient with respect to `params`; `new_state` holds the
@@ -739,7 +743,7 @@ def value_and_grad(
       >>> pol = mpjax.fp8.policy("O1")
       >>> w, x = jnp.full((32, 16), 0.5), jnp.ones((16, 32))
       >>> state = mpjax.fp8.init(loss, pol, w, x)
-      >>> step = jax.jit(mpjax.fp8.value_and_grad(loss, pol))
+      >>> step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
       >>> value, grads, state = step(state, w, x)
       >>> float(value), grads.shape, state.amax_history[0, :, 0].tolist()
       (256.0, (32, 16), [1.0, 0.5, 0.125])
@@ -793,7 +797,7 @@ def describe(state: FP8State) -> list[dict[str, float]]:
       >>> pol = mpjax.fp8.policy("O1")
       >>> w, x = jnp.full((32, 16), 0.5), jnp.ones((16, 32))
       >>> state = mpjax.fp8.init(loss, pol, w, x)
-      >>> _, _, state = mpjax.fp8.value_and_grad(loss, pol)(state, w, x)
+      >>> _, _, state = mpjax.fp8.scaled_value_and_grad(loss, pol)(state, w, x)
       >>> row = mpjax.fp8.describe(state)[0]
       >>> row["kernel_amax"], row["kernel_scale"], row["grad_amax"]
       (0.5, 896.0, 0.125)
@@ -817,3 +821,8 @@ def describe(state: FP8State) -> list[dict[str, float]]:
         row.update({f"{role}_amax": float(amax[i, r]) for role, r in roles})
         rows.append(row)
     return rows
+
+
+value_and_grad = transform.renamed(
+    "mpjax.fp8.value_and_grad", "mpjax.fp8.scaled_value_and_grad", scaled_value_and_grad
+)

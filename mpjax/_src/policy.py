@@ -112,7 +112,7 @@ def parse_dtype(value: str) -> Any:
 _FP8_HINT = (
     " FP8 is not a policy dtype: it needs per-tensor scales and runs only the matmuls; use "
     "mpjax.fp8.policy('O1') (dot_general in FP8, the rest bfloat16 O1) with mpjax.fp8.init "
-    "and mpjax.fp8.value_and_grad."
+    "and mpjax.fp8.scaled_value_and_grad."
 )
 
 
@@ -251,9 +251,9 @@ def _warn_bfloat16_scaling(kind: Any) -> None:
         frame, level = frame.f_back, level + 1
     what = "dynamic scaling" if kind == "dynamic" else f"a static scale of {kind}"
     warnings.warn(
-        f"mpjax: loss_scale={kind!r} with bfloat16 compute: bfloat16 has float32's exponent "
+        f"mpjax: loss_scaling={kind!r} with bfloat16 compute: bfloat16 has float32's exponent "
         f"range, so its gradients do not underflow and need no loss scaling; {what} "
-        "only adds work (and skipped steps). Leave loss_scale unset (no scaling for bfloat16) "
+        "only adds work (and skipped steps). Leave loss_scaling unset (no scaling for bfloat16) "
         "unless you mean it.",
         UserWarning,
         stacklevel=level,
@@ -266,7 +266,7 @@ def check_loss_scaling(value: Any) -> str | float:
         if value in ("dynamic", "none"):
             return value
         raise ValueError(
-            f"Unknown loss_scale {value!r}: use 'dynamic', 'none' or a positive float for a "
+            f"Unknown loss_scaling {value!r}: use 'dynamic', 'none' or a positive float for a "
             "static scale (e.g. 1024.0)."
         )
     return loss_scale_lib.check_scale_value(value, "loss_scale")
@@ -482,7 +482,7 @@ class Policy:
         """Returns the loss scale this policy implies.
 
         A ``DynamicLossScale(2**15)`` for float16 at O1/O2 (float32 params, float16 compute),
-        ``NoOpLossScale`` for bfloat16, float32 and O3, or what ``loss_scale=`` asked for.
+        ``NoOpLossScale`` for bfloat16, float32 and O3, or what ``loss_scaling=`` asked for.
 
         Example:
           >>> import mpjax
@@ -511,8 +511,9 @@ class Policy:
         f32_ops: Any = (),
         keep_norm_fp32: bool | None = None,
         master_weights: bool | None = None,
-        loss_scale: str | float | None = None,
+        loss_scaling: str | float | None = None,
         reduce_dtype: Any = None,
+        loss_scale: str | float | None = None,
     ) -> Policy:
         """Builds the policy of an apex/PaddlePaddle/MindSpore optimization level.
 
@@ -536,7 +537,7 @@ class Policy:
         updates then stall (an update under 2**-9 of a bfloat16 weight is lost), so train
         such params through :func:`mpjax.half_updates` (stochastic rounding or a Kahan
         buffer): ``mpjax.half_updates(optax.adam(1e-3))``. With float16 params the
-        gradients are float16 too, so ask for ``loss_scale="dynamic"``: the default scales
+        gradients are float16 too, so ask for ``loss_scaling="dynamic"``: the default scales
         only float32 params. ``master_weights=True`` at O3 is the converse, apex O3 with
         float32 storage.
 
@@ -549,7 +550,9 @@ class Policy:
           keep_norm_fp32: keep normalization statistics in float32 (default: True but at O3).
           master_weights: O2/O3 only: True stores float32 params, False stores half params
             (train them with :func:`mpjax.half_updates`). Default: True at O2, False at O3.
-          loss_scale: "dynamic", "none", or a positive float for a static scale. Default:
+          loss_scaling: "dynamic", "none", or a positive float for a static scale (the
+            :attr:`Policy.loss_scaling` field's spelling; the old keyword ``loss_scale=`` still
+            works for one release and warns). Default:
             dynamic where float32 params are computed in float16 (O1, O2), none otherwise
             (bfloat16 needs no scaling; O3 has no float32 copy to protect).
           reduce_dtype: the dtype gradients are summed and reduced in (see the class
@@ -576,6 +579,19 @@ class Policy:
           >>> str(mpjax.Policy.from_level("O2", "bfloat16", master_weights=False))
           'p=bf16,c=bf16,o=full'
         """
+        if loss_scale is not None:
+            if loss_scaling is not None:
+                raise TypeError(
+                    "from_level got both loss_scaling= and loss_scale= (its old name); pass "
+                    "loss_scaling= only."
+                )
+            warnings.warn(
+                "Policy.from_level(loss_scale=...) is renamed loss_scaling=, the name of the "
+                "Policy field it sets (one name per job); loss_scale= goes in the next release.",
+                FutureWarning,
+                stacklevel=2,
+            )
+            loss_scaling = loss_scale
         level = _check_level(level)
         half = (
             canonical_float_dtype(half_dtype, "half_dtype")
@@ -611,7 +627,7 @@ class Policy:
                 f32,
                 level="O0",
                 keep_norm_fp32=True,
-                loss_scaling=loss_scale,
+                loss_scaling=loss_scaling,
                 reduce_dtype=reduce_dtype,
             )
 
@@ -642,7 +658,7 @@ class Policy:
             lower_ops=(lower_default | lower_extra) - f32_extra,
             f32_ops=(f32_default | f32_extra) - lower_extra,
             keep_norm_fp32=bool(keep_norm_fp32),
-            loss_scaling=loss_scale,
+            loss_scaling=loss_scaling,
             reduce_dtype=reduce_dtype,
         )
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -535,27 +536,42 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
     return _the_state(opt_state, "get_loss_scale").loss_scale
 
 
-def value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
-    """Returns ``g(opt_state, params, *args) -> (value, grads)``: the loss scaled, differentiated.
+def _nnx_module(x: Any) -> bool:
+    """Whether `x` is a Flax NNX module (without importing Flax where it is not loaded)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.Module)
 
-    The scale is the current one in `opt_state` (found as :func:`get_loss_scale` finds it);
-    `value` is ``fun(params, *args)`` as computed (the loss unscaled), and `grads` are the
-    gradients of the *scaled* loss, which is what ``tx.update`` of a :func:`loss_scale`
-    transformation takes: it unscales them, checks them, skips and adjusts the scale. Nothing
-    to scale or unscale by hand, so none of the three ways to get it wrong (forgetting to
-    scale, unscaling before ``tx.update``, scaling twice) is left.
+
+def _nnx_optimizer(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, getattr(nnx, "Optimizer", ()))
+
+
+def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
+    """Returns ``g(state, params, *args) -> (value, grads)``: the loss scaled, differentiated.
+
+    One contract for optax, Flax linen and NNX. `state` holds the loss scale: an optimizer
+    state with a :func:`loss_scale` in it (found as :func:`get_loss_scale` finds it), a
+    linen :class:`mpjax.flax.TrainState`, or an ``nnx.Optimizer``. `params` is what is
+    differentiated: a pytree of arrays, or an NNX module (its ``nnx.Param`` s, through
+    ``nnx.value_and_grad``). `value` is ``fun(params, *args)`` as computed (the loss
+    unscaled); `grads` are the gradients of the *scaled* loss, which is what ``tx.update`` (or
+    ``optimizer.update``) of a :func:`loss_scale` transformation takes: it unscales them,
+    checks them, skips and adjusts the scale. Nothing to scale or unscale by hand, so none of
+    the three ways to get it wrong (forgetting to scale, unscaling before the update, scaling
+    twice) is left. :func:`mpjax.fp8.scaled_value_and_grad` takes the same arguments and
+    returns its FP8 state's next scales beside them.
 
     Args:
       fun: the loss, ``fun(params, *args, **kwargs)`` returning a float scalar (or
         ``(loss, aux)`` with `has_aux`).
-      has_aux: whether `fun` returns ``(loss, aux)``.
+      has_aux: whether `fun` returns ``(loss, aux)``; `value` is then ``(loss, aux)``.
 
     Returns:
-      A function of ``(opt_state, params, *args, **kwargs)``. The flax equivalents:
-      ``mpjax.flax.TrainState.grad`` (linen) and ``mpjax.flax.value_and_grad`` (NNX).
+      A function of ``(state, params, *args, **kwargs)``.
 
     Raises:
-      ValueError: if `opt_state` holds no loss-scale state (or more than one).
+      ValueError: if `state` holds no loss-scale state (or more than one).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, mpjax
@@ -563,24 +579,56 @@ def value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
       >>> params = {"w": jnp.ones(3)}
       >>> opt_state = tx.init(params)
       >>> loss_fn = lambda p, x: jnp.sum((p["w"] * x) ** 2)
-      >>> loss, grads = mpjax.value_and_grad(loss_fn)(opt_state, params, jnp.ones(3))
+      >>> loss, grads = mpjax.scaled_value_and_grad(loss_fn)(opt_state, params, jnp.ones(3))
       >>> updates, opt_state = tx.update(grads, opt_state, params)
       >>> new = optax.apply_updates(params, updates)
       >>> float(loss), grads["w"][0].item(), round(new["w"][0].item(), 4)  # grads of 2**15 * loss
       (3.0, 65536.0, 0.9)
     """
 
-    def wrapped(opt_state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        scale = get_loss_scale(opt_state)
+    def wrapped(state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        scale = get_loss_scale(state.opt_state if _nnx_optimizer(state) else state)
 
-        def scaled(p: Any) -> Any:
-            out = fun(p, *args, **kwargs)
+        def scaled(p: Any, *a: Any, **k: Any) -> Any:
+            out = fun(p, *a, **k)
             return scale.scale(out[0] if has_aux else out), out
 
-        (_, out), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        if _nnx_module(params):
+            from flax import nnx
+
+            grad_fn = nnx.value_and_grad(scaled, has_aux=True)
+            (_, out), grads = grad_fn(params, *args, **kwargs)
+        else:
+            bound = lambda p: scaled(p, *args, **kwargs)
+            (_, out), grads = jax.value_and_grad(bound, has_aux=True)(params)
         return out, grads
 
     return wrapped
+
+
+def renamed(old: str, new: str, fn: Any) -> Any:
+    """`fn` under its old public name `old`: it works for one release and warns, once per
+    call site, with the new name."""
+
+    def alias(*args: Any, **kwargs: Any) -> Any:
+        warnings.warn(
+            f"{old} is renamed {new} (one name per job); {old} goes in the next release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return fn(*args, **kwargs)
+
+    alias.__name__ = old.rsplit(".", 1)[-1]
+    alias.__qualname__ = alias.__name__
+    alias.__doc__ = f"Renamed :func:`{new}`; this name warns and goes in the next release."
+    return alias
+
+
+def _value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
+    return scaled_value_and_grad(fun, has_aux=has_aux)
+
+
+value_and_grad = renamed("mpjax.value_and_grad", "mpjax.scaled_value_and_grad", _value_and_grad)
 
 
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
