@@ -11,7 +11,6 @@ from mpjax._src.fp8 import (
     apply,
     describe,
     fp8_dot_general,
-    fp8_max,
     init,
     merge,
     policy,
@@ -19,6 +18,7 @@ from mpjax._src.fp8 import (
     scaled_value_and_grad,
     update,
 )
+from mpjax._src.fp8 import fp8_max as fp8_max  # renamed: warns, one release
 from mpjax._src.fp8 import value_and_grad as value_and_grad  # renamed: warns, one release
 
 __all__ = (
@@ -27,7 +27,6 @@ __all__ = (
     "DelayedScaling",
     "describe",
     "fp8_dot_general",
-    "fp8_max",
     "FP8Policy",
     "FP8State",
     "init",

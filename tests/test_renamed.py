@@ -71,3 +71,9 @@ def test_public_names_are_sorted():
     for module in (mpjax, mpjax.flax, mpjax.fp8):
         names = list(module.__all__)
         assert names == sorted(names, key=lambda n: (n.lower(), n)), module.__name__
+
+
+def test_fp8_max_is_jnp_finfo():
+    with _warns_with("float(jnp.finfo(dtype).max)"):
+        assert mpjax.fp8.fp8_max(jnp.float8_e4m3fn) == float(jnp.finfo(jnp.float8_e4m3fn).max)
+    assert "fp8_max" not in mpjax.fp8.__all__

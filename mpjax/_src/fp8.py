@@ -200,14 +200,8 @@ def policy(
 # -- quantization --------------------------------------------------------------------------------
 
 
-def fp8_max(dtype: Any) -> float:
-    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
-
-    Example:
-      >>> import jax.numpy as jnp, mpjax.fp8
-      >>> mpjax.fp8.fp8_max(jnp.float8_e4m3fn), mpjax.fp8.fp8_max(jnp.float8_e5m2)
-      (448.0, 57344.0)
-    """
+def _fp8_max(dtype: Any) -> float:
+    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
     return float(jnp.finfo(dtype).max)
 
 
@@ -233,7 +227,7 @@ def qdq(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
     """
     dt = x.dtype
     inv = (1.0 / scale.astype(jnp.float32)).astype(dt)
-    lim = jnp.asarray(fp8_max(q_dtype), dt)
+    lim = jnp.asarray(_fp8_max(q_dtype), dt)
     q = jnp.clip(x / jnp.broadcast_to(inv, x.shape), -lim, lim).astype(q_dtype)
     return q.astype(dt) * jnp.broadcast_to(inv, x.shape)
 
@@ -273,7 +267,7 @@ def fp8_dot_general(
 
 def quantize(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
     """``x * scale`` rounded to `q_dtype`, saturating at its largest finite value."""
-    lim = fp8_max(q_dtype)
+    lim = _fp8_max(q_dtype)
     scaled = x.astype(jnp.float32) * scale.astype(jnp.float32)
     return jnp.clip(scaled, -lim, lim).astype(q_dtype)
 
@@ -342,7 +336,7 @@ fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 def _current_scale(amax: jax.Array, q_dtype: Any, margin: int) -> jax.Array:
     ok = (amax > 0.0) & jnp.isfinite(amax)
-    return jnp.where(ok, fp8_max(q_dtype) / jnp.where(ok, amax, 1.0) / 2.0**margin, 1.0)
+    return jnp.where(ok, _fp8_max(q_dtype) / jnp.where(ok, amax, 1.0) / 2.0**margin, 1.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -375,7 +369,7 @@ _fp8_dot_current.defvjp(_current_fwd, _current_bwd)
 
 # -- the recipe ----------------------------------------------------------------------------------
 
-_FP8_MAX = np.array([fp8_max(E4M3), fp8_max(E4M3), fp8_max(E5M2)], np.float32)
+_FP8_MAX = np.array([_fp8_max(E4M3), _fp8_max(E4M3), _fp8_max(E5M2)], np.float32)
 
 
 def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: Recipe) -> Any:
@@ -826,3 +820,5 @@ def describe(state: FP8State) -> list[dict[str, float]]:
 value_and_grad = transform.renamed(
     "mpjax.fp8.value_and_grad", "mpjax.fp8.scaled_value_and_grad", scaled_value_and_grad
 )
+# jnp.finfo(dtype).max does this job: one name for it.
+fp8_max = transform.renamed("mpjax.fp8.fp8_max(dtype)", "float(jnp.finfo(dtype).max)", _fp8_max)
