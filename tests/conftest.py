@@ -94,3 +94,12 @@ def rel_err(a, b):
     """||a - b|| / ||b||, in float64."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def exact_jit(f, **kwargs):
+    """``jax.jit`` that keeps every rounding the program asks for. XLA otherwise skips some
+    half-precision roundings inside a fusion ("excess precision"), so one function compiled
+    into other fusions (under ``jax.checkpoint`` or ``vmap``, or through another caller)
+    differs from itself at a few roundings, which a later FP8 cast can turn into a whole FP8
+    step. Tests that compare two compilations of one computation closely compile both so."""
+    return jax.jit(f, compiler_options={"xla_allow_excess_precision": False}, **kwargs)
