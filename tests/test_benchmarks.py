@@ -159,3 +159,13 @@ def test_half_params_corpus_benchmark_runs():
     result = corpus.main(["--steps", "2", "--seeds", "1", "--models", "bert"])
     assert set(result["final"]["bert"]) == set(corpus.RUNS)
     assert "| bert | bf16 stochastic + 8-bit moments |" in result["markdown"]
+
+
+@pytest.mark.slow
+def test_fp8_accuracy_benchmark_trains_every_variant():
+    fp8_accuracy = pytest.importorskip("fp8_accuracy")
+    result = fp8_accuracy.main(["--size", "tiny", "--steps", "3", "--seeds", "2"])
+    assert set(result["final"]) == set(fp8_accuracy.VARIANTS)
+    for variant, losses in result["final"].items():
+        assert len(losses) == 2 and all(0.0 < v < 10.0 for v in losses), (variant, losses)
+    assert "within 2 sd of O2 bfloat16's seeds" in result["markdown"]

@@ -233,3 +233,21 @@ def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm):
         gemm_bytes = lambda p: p.by_kind()["gemm"][1]
         # float8 operands, half results: 0.67x here (the results are a third of the bytes)
         assert gemm_bytes(fp8) <= 0.70 * gemm_bytes(half)
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_quantized_state_update_counted_in_the_h100_program():
+    """benchmarks/quantized_state.py --h100: each update's bytes per parameter in its H100
+    program, against the bfloat16-state update (float32 params and moments move twice its
+    bytes: 4 + 4 + 4 read and written against 2 + 2 + 2)."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import quantized_state
+
+    md = quantized_state.h100_program(2**20)
+    rows = {r.split("|")[1].strip(): r.split("|")[3:5] for r in md.splitlines()[4:]}
+    assert float(rows["f32 params, f32 moments (optax.adam)"][1]) == 2.0, md
+    eight_bit = rows["bf16 params, 8-bit moments (quantize_moments default)"]
+    assert 1.0 < float(eight_bit[1]) < 2.0, md  # measured 1.352 at 256M parameters
