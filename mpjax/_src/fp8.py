@@ -334,9 +334,15 @@ def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tu
 fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def _current_scale(amax: jax.Array, q_dtype: Any, margin: int) -> jax.Array:
+def _scale_of(amax: jax.Array, fp8_max: Any, margin: int, fallback: Any) -> Any:
+    """``fp8_max / amax / 2**margin``, and `fallback` where the amax is zero or not finite
+    (TransformerEngine's rule); and where it was not."""
     ok = (amax > 0.0) & jnp.isfinite(amax)
-    return jnp.where(ok, _fp8_max(q_dtype) / jnp.where(ok, amax, 1.0) / 2.0**margin, 1.0)
+    return jnp.where(ok, fp8_max / jnp.where(ok, amax, 1.0) / 2.0**margin, fallback), ok
+
+
+def _current_scale(amax: jax.Array, q_dtype: Any, margin: int) -> jax.Array:
+    return _scale_of(amax, _fp8_max(q_dtype), margin, 1.0)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -377,10 +383,9 @@ def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: Recipe) ->
         amax = jnp.max(history, axis=-1)
     else:
         amax = history[..., 0]
-    sf = jnp.asarray(_FP8_MAX) / amax / (2.0**recipe.margin)
-    # TransformerEngine: an amax of zero or inf/NaN keeps the previous scale.
-    ok = (amax > 0.0) & jnp.isfinite(amax)
-    return jnp.where(ok, sf, scale).astype(jnp.float32), ok
+    # An amax of zero or inf/NaN keeps the previous scale.
+    new, ok = _scale_of(amax, jnp.asarray(_FP8_MAX), recipe.margin, scale)
+    return new.astype(jnp.float32), ok
 
 
 def update(state: FP8State, amax: jax.Array) -> FP8State:

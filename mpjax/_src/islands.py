@@ -5,7 +5,7 @@ of kept; a softmax island is differentiated from its half output instead (see _s
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,13 @@ _REDUCTIONS = frozenset({"reduce_sum"})
 SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
 
 
+def _unnamed(made: dict[Any, Any], v: Any) -> Any:
+    """The value `v` names (through ``checkpoint_name`` equations), or `v` itself."""
+    while not isinstance(v, jc.Literal) and v in made and made[v].primitive.name == "name":
+        v = made[v].invars[0]
+    return v
+
+
 def _statistics(run: list[Any]) -> set[Any]:
     """The results of `run` its recompute keeps (see STATISTIC). The sum of an exp's results
     (through ISLAND names) is a softmax's normalizer: XLA fuses a whole softmax into one
@@ -52,9 +59,7 @@ def _statistics(run: list[Any]) -> set[Any]:
     size = lambda v: int(np.prod(v.aval.shape, dtype=np.int64))
 
     def of_exp(v: Any) -> bool:
-        e = made.get(v)
-        while e is not None and e.primitive.name == "name":
-            e = made.get(e.invars[0])
+        e = made.get(_unnamed(made, v))
         return e is not None and e.primitive.name == "exp"
 
     return {
@@ -74,8 +79,15 @@ _AFFINE = frozenset({"convert_element_type", "select_n", "neg", "name", "copy", 
 _REBROADCAST = frozenset({"broadcast_in_dim", "reshape", "name"})
 
 
-def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> Any:
-    """The softmax a region computes, if it is one: ``(z, axes, differentiable ins)`` where the
+class _Softmax(NamedTuple):
+    z: Any  # the scores the exp reads
+    axes: tuple[int, ...]  # the softmax's axes
+    differentiable: list[Any]  # the region's inputs z is affine in
+    prefix: list[Any]  # the equations computing z from them
+
+
+def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None:
+    """The softmax a region computes, if it is one (see _Softmax), where the
     region's one output is a half cast of ``exp(z - m) / sum(exp(z - m), axes)`` with `m`
     constant along `axes` (a row max), and `z` is affine in the region's float inputs (a cast
     up, a mask). Else None. Such a region's derivative is ``y * (g - sum(g * y, axes))`` from
@@ -84,10 +96,7 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> Any:
         return None
     made = {u: e for e in run for u in e.outvars}
 
-    def src(v: Any) -> Any:  # through checkpoint names
-        while not isinstance(v, jc.Literal) and v in made and made[v].primitive.name == "name":
-            v = made[v].invars[0]
-        return v
+    src = lambda v: _unnamed(made, v)
 
     def eqn(v: Any, name: str) -> Any:
         e = made.get(src(v)) if not isinstance(v, jc.Literal) else None
@@ -143,7 +152,7 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> Any:
     differentiable = [v for v in ins if carries.get(v) and v in _reads(prefix, z)]
     if any(tuple(v.aval.shape) != tuple(shape) for v in differentiable):
         return None
-    return z, axes, differentiable
+    return _Softmax(z, axes, differentiable, prefix)
 
 
 def _ancestors(made: dict[Any, Any], v: Any) -> list[Any]:
@@ -335,15 +344,13 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
         return jax.checkpoint(f, policy=SAVE_STATISTICS, prevent_cse=False)
 
     def _softmax_region(
-        f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: Any
+        f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: _Softmax
     ) -> Callable[..., Any]:
         """`f`, a softmax region (see _softmax), whose backward pass computes the softmax's
         derivative from its half output, as the hand-written half softmax does, instead of
         recomputing the float32 island: ``dz = y * (g - sum(g * y))`` in float32, then back
         through the affine ops from the inputs to `z` (a cast up, a mask)."""
-        z, axes, diff = soft
-        made = {u: e for e in run for u in e.outvars}
-        prefix = _ancestors(made, z)
+        z, axes, diff, prefix = soft
         stack_of = {id(e): st for e, st in zip(run, stacks, strict=True)}
         reads = _reads(prefix, z)
         at = [ins.index(v) for v in diff]

@@ -536,15 +536,11 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
     return _the_state(opt_state, "get_loss_scale").loss_scale
 
 
-def _nnx_module(x: Any) -> bool:
-    """Whether `x` is a Flax NNX module (without importing Flax where it is not loaded)."""
+def _is_nnx(x: Any, kind: str) -> bool:
+    """Whether `x` is a Flax NNX `kind` (``Module``, ``Optimizer``), without importing Flax
+    where it is not loaded."""
     nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, nnx.Module)
-
-
-def _nnx_optimizer(x: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(x, getattr(nnx, "Optimizer", ()))
+    return nnx is not None and isinstance(x, getattr(nnx, kind, ()))
 
 
 def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
@@ -587,13 +583,13 @@ def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
     """
 
     def wrapped(state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        scale = get_loss_scale(state.opt_state if _nnx_optimizer(state) else state)
+        scale = get_loss_scale(state.opt_state if _is_nnx(state, "Optimizer") else state)
 
         def scaled(p: Any, *a: Any, **k: Any) -> Any:
             out = fun(p, *a, **k)
             return scale.scale(out[0] if has_aux else out), out
 
-        if _nnx_module(params):
+        if _is_nnx(params, "Module"):
             from flax import nnx
 
             grad_fn = nnx.value_and_grad(scaled, has_aux=True)
@@ -624,11 +620,9 @@ def renamed(old: str, new: str, fn: Any) -> Any:
     return alias
 
 
-def _value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
-    return scaled_value_and_grad(fun, has_aux=has_aux)
-
-
-value_and_grad = renamed("mpjax.value_and_grad", "mpjax.scaled_value_and_grad", _value_and_grad)
+value_and_grad = renamed(
+    "mpjax.value_and_grad", "mpjax.scaled_value_and_grad", scaled_value_and_grad
+)
 
 
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
