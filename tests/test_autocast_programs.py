@@ -380,6 +380,30 @@ def test_decisions_are_made_as_traced(name, level, dtype):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])  # O3 runs the whole loss in half
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_jitted_loss_reads_its_logits_in_one_precision(level, dtype):
+    # optax's cross-entropy is a jitted function: its logits enter an inlined call, where they
+    # are no param. The label's logit (a gather) and the log-sum-exp must read the same
+    # logits: a label logit rounded to half against a float32 log-sum-exp made the mean loss
+    # negative (the FP8 digits example).
+    def fn(w, b, x, y):
+        logits = (x @ w + b).astype(jnp.float32)
+        return logits, optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    r = rng(11)
+    w = jnp.asarray(r.normal(size=(32, 10)) * 3, jnp.float32)
+    b = jnp.asarray(r.normal(size=(10,)), jnp.float32)
+    x = jnp.asarray(r.normal(size=(256, 32)), jnp.float32)
+    y = jnp.argmax(x @ w + b, -1)  # confident: many losses near 0, where a rounding shows
+    logits, mean = run(fn, level, dtype, w, b, x, y)
+    # The mean loss of the logits the program computed, in float64: the loss is a float32
+    # island (log-sum-exp, label logit, sum), so it agrees to float32 rounding.
+    z = logits - logits.max(-1, keepdims=True)
+    own = np.log(np.exp(z).sum(-1)) - np.take_along_axis(z, np.asarray(y)[:, None], -1)[:, 0]
+    np.testing.assert_allclose(mean, own.mean(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("level,dtype", GRID)
 def test_bilinear_sampling_coordinates(level, dtype):
     img = jnp.asarray(rng(8).normal(size=(512, 512)), jnp.float32)

@@ -170,13 +170,16 @@ def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
 
 class Marks(NamedTuple):
     """Facts of a value that cross an inlined call's boundary: it is an index (a decision or
-    made from one), a loop's carry, its half twins by dtype (see _Env.twins), and whether it
-    belongs to a float32 island (see _Env.island)."""
+    made from one), a loop's carry, its half twins by dtype (see _Env.twins), whether it
+    belongs to a float32 island (see _Env.island), and whether it is a param (see
+    _Env.is_param; None where the caller does not say: an input of the body is taken as one).
+    """
 
     is_index: bool
     is_carried: bool
     twins: dict[np.dtype, Any]
     in_island: bool = False
+    is_param: bool | None = None
 
 
 class _Env:
@@ -350,7 +353,7 @@ class _Env:
         if isinstance(v, jc.Literal):
             return Marks(False, False, {})
         twins = {d: t for (u, d), t in self.twins.items() if u is v}
-        return Marks(v in self.index, v in self.carried, twins, v in self.island)
+        return Marks(v in self.index, v in self.carried, twins, v in self.island, self.is_param(v))
 
     def mark(self, v: Any, marks: Marks) -> None:
         """Records `marks` (see `marks`) for `v`."""
@@ -490,7 +493,13 @@ def _eval_jaxpr(
         ):
             if np.size(x) <= _KNOWN_LIMIT:
                 env.known[v] = np.asarray(x)
-    env.args.update(jaxpr.invars)
+    # An inlined call's inputs are params where the caller's operands are (a jitted loss's
+    # logits are an activation, not a param table), the jaxpr's own inputs otherwise.
+    env.args.update(
+        v
+        for i, v in enumerate(jaxpr.invars)
+        if in_marks is None or in_marks[i].is_param is not False
+    )
     for i, (v, x) in enumerate(zip(jaxpr.invars, args, strict=True)):
         env.vals[v] = x
         if in_static[i] if in_static is not None else not is_float_dtype(v.aval.dtype):
