@@ -288,8 +288,10 @@ class RematMLP(nn.Module):
 
 
 @pytest.mark.parametrize("how", ["nn.remat", "jax.checkpoint"])
-def test_remat_keeps_the_sites_and_the_numbers(rng, how):
-    pol = mpjax.fp8.policy("O2")
+@pytest.mark.parametrize("granularity", [None, "row"])
+def test_remat_keeps_the_sites_and_the_numbers(rng, how, granularity):
+    recipe = granularity and mpjax.fp8.CurrentScaling(granularity=granularity)
+    pol = mpjax.fp8.policy("O2", recipe=recipe)
     loss, params, x, y = _linen(pol, rng)
     if how == "nn.remat":
         loss_r, params_r, _, _ = _linen(pol, rng, model=RematMLP())

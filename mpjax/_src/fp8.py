@@ -67,30 +67,44 @@ class DelayedScaling:
 
 @dataclasses.dataclass(frozen=True)
 class CurrentScaling:
-    """Current scaling per tensor (TransformerEngine's ``Float8CurrentScaling``, torchao's
-    tensorwise): each tensor is quantized with a scale from its own amax in this step,
+    """Current scaling (TransformerEngine's ``Float8CurrentScaling``, torchao's tensorwise and
+    rowwise recipes): each tensor is quantized with a scale from its own amax in this step,
     ``fp8_max / amax / 2**margin``, the input and kernel's in the forward pass, the output
     gradient's in the backward pass. No scale goes stale, at the cost of reading each tensor
     for its amax before quantizing it. An amax of zero or a non-finite one quantizes at
     scale 1 (an inf then saturates at the FP8 maximum, as with delayed scaling). The state
-    keeps the last step's amaxes, for :func:`describe`.
+    keeps the last step's amaxes (per tensor), for :func:`describe`.
+
+    With ``granularity="row"`` each row of a dot's operands along its contraction gets its
+    own scale (the input's rows, the kernel's columns, the output gradient's rows for the
+    input gradient and its columns for the weight gradient): one large row no longer
+    coarsens the others. Each operand is then quantized once per gemm it enters, along that
+    gemm's contraction (forward and backward differ), so the backward pass keeps the half
+    operands, not float8 ones; the scales multiply each gemm's result.
 
     Attributes:
       margin: the scale is divided by ``2**margin``.
+      granularity: ``"tensor"`` (one scale per tensor) or ``"row"``.
 
     Example:
       >>> import mpjax.fp8
-      >>> mpjax.fp8.policy("O2", recipe=mpjax.fp8.CurrentScaling()).recipe.amax_history_len
-      1
+      >>> mpjax.fp8.policy("O2", recipe=mpjax.fp8.CurrentScaling(granularity="row")).recipe
+      CurrentScaling(margin=0, granularity='row')
     """
 
     margin: int = 0
-    amax_history_len: int = dataclasses.field(default=1, init=False)
-    amax_compute_algo: str = dataclasses.field(default="most_recent", init=False)
+    granularity: str = "tensor"
+    amax_history_len: int = dataclasses.field(default=1, init=False, repr=False)
+    amax_compute_algo: str = dataclasses.field(default="most_recent", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}.")
+        if self.granularity not in ("tensor", "row"):
+            raise ValueError(
+                f"granularity must be 'tensor' or 'row', got {self.granularity!r}: "
+                "CurrentScaling(granularity='row') scales each row of a dot's operands."
+            )
 
 
 Recipe = DelayedScaling | CurrentScaling
@@ -373,6 +387,63 @@ def _current_bwd(dims: Any, pref: Any, margin: int, res: Any, g: Any) -> Any:
 _fp8_dot_current.defvjp(_current_fwd, _current_bwd)
 
 
+def _row_scale(x: jax.Array, axis: int, q_dtype: Any, margin: int) -> jax.Array:
+    """Per-row scales of `x` along `axis` (kept, size 1): each row's own current scale."""
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
+    return _current_scale(amax, q_dtype, margin)
+
+
+def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin: int, out: Any):
+    """``a @ b`` over [B, ., .] operands, contracting a's `a_axis` with b's `b_axis`, each
+    quantized per row along its contracted axis; the scales multiply the result."""
+    sa, sb = _row_scale(a, a_axis, qa, margin), _row_scale(b, b_axis, qb, margin)
+    acc = lax.dot_general(
+        quantize(a, qa, sa), quantize(b, qb, sb), (((a_axis,), (b_axis,)), ((0,), (0,))),
+        preferred_element_type=out,
+    )  # fmt: skip
+    # The result's axes: a's kept axis, then b's. sa is [B, M, 1] or [B, 1, M]; sb likewise.
+    inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))
+    inv_b = jnp.reshape(1.0 / sb, (sb.shape[0], 1, -1))
+    return acc * (inv_a * inv_b).astype(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_bmm_rows(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
+    """``a @ b`` for a [B, M, K] and b [B, K, N] through FP8 with per-row current scales."""
+    return _rows_fwd(pref, margin, a, b, sink)[0]
+
+
+def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
+    del sink
+    out = _row_dot(a, 2, b, 1, E4M3, E4M3, margin, pref)
+    return out, (a, b, _amax(a), _amax(b))
+
+
+def _rows_bwd(pref: Any, margin: int, res: Any, g: Any) -> Any:
+    a, b, amax_a, amax_b = res
+    da = _row_dot(g, 2, b, 2, E5M2, E4M3, margin, a.dtype)  # [B, M, K]: g's rows, b's rows
+    db = _row_dot(a, 1, g, 1, E4M3, E5M2, margin, b.dtype)  # [B, K, N]: a's and g's columns
+    return da, db, jnp.stack([amax_a, amax_b, _amax(g)])
+
+
+_fp8_bmm_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _fp8_dot_rows(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
+    """fp8_dot_general with per-row current scales: the operands laid out as batched
+    matrices [B, M, K] and [B, K, N] (transposes and reshapes, which XLA folds into the
+    gemm's layout), multiplied by _fp8_bmm_rows, and the result laid out as the dot's."""
+    (lc, rc), (lb, rb) = dims
+    lkept, rkept = _remaining(lhs.ndim, lc, lb), _remaining(rhs.ndim, rc, rb)
+    size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
+    batch, m, k, n = size(lhs, lb), size(lhs, lkept), size(lhs, lc), size(rhs, rkept)
+    a = jnp.transpose(lhs, (*lb, *lkept, *lc)).reshape(batch, m, k)
+    b = jnp.transpose(rhs, (*rb, *rc, *rkept)).reshape(batch, k, n)
+    out = _fp8_bmm_rows(pref, margin, a, b, sink)
+    shape = [lhs.shape[d] for d in (*lb, *lkept)] + [rhs.shape[d] for d in rkept]
+    return out.reshape(shape)
+
+
 # -- the recipe ----------------------------------------------------------------------------------
 
 _FP8_MAX = np.array([_fp8_max(E4M3), _fp8_max(E4M3), _fp8_max(E5M2)], np.float32)
@@ -515,6 +586,8 @@ class _Sites:
         self.count = 0
         # Current scaling: scales from each tensor's amax, not from the state.
         self.current = recipe.margin if isinstance(recipe, CurrentScaling) else None
+        self.rows = isinstance(recipe, CurrentScaling) and recipe.granularity == "row"
+        self.margin = recipe.margin if recipe is not None else 0
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
         self.base = base
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
@@ -535,6 +608,8 @@ class _Sites:
         dims = eqn.params["dimension_numbers"]
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
+        if self.rows:
+            return _fp8_dot_rows(dims, dt, self.margin, lhs, rhs, sink[i])
         if self.current is not None:
             return _fp8_dot_current(dims, dt, self.current, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
