@@ -192,10 +192,12 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
 @pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("gemm", ["cublas", "triton"])
-def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm):
+@pytest.mark.parametrize("recipe", ["delayed", "current", "current rows"])
+def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm, recipe):
     """Every FP8 site's forward, input-gradient and weight-gradient dot is an FP8 gemm in
-    the optimized H100 program, on XLA's default (Triton) path and with cuBLAS only: the dots
-    take float8 operands, so no quantize-dequantize pattern has to survive XLA's passes."""
+    the optimized H100 program, on XLA's default (Triton) path and with cuBLAS only, under
+    each recipe: the dots take float8 operands, so no quantize-dequantize pattern has to
+    survive XLA's passes."""
     nn = pytest.importorskip("flax.linen")
     import optax
 
@@ -216,7 +218,12 @@ def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm):
         logits = model.apply({"params": p}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    pol = mpjax.fp8.policy("O2")
+    recipes = {
+        "delayed": None,
+        "current": mpjax.fp8.CurrentScaling(),
+        "current rows": mpjax.fp8.CurrentScaling(granularity="row"),
+    }
+    pol = mpjax.fp8.policy("O2", recipe=recipes[recipe])
     state = mpjax.fp8.init(loss, pol, params, x, y)
     step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     fp8 = mpjax.audit(step, state, params, x, y, target="h100", gemm=gemm).gpu
@@ -233,6 +240,54 @@ def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm):
         gemm_bytes = lambda p: p.by_kind()["gemm"][1]
         # float8 operands, half results: 0.67x here (the results are a third of the bytes)
         assert gemm_bytes(fp8) <= 0.70 * gemm_bytes(half)
+
+
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("model", ["transformer", "simplenet"])
+@pytest.mark.parametrize("recipe", ["delayed", "current rows"])
+def test_every_eligible_dot_of_the_benchmark_models_is_an_fp8_gemm(model, recipe):
+    """The benchmark's Transformer (Dense, DenseGeneral and attention einsums) and SimpleNet
+    through FP8, compiled for an H100 with cuBLAS gemms: every gemm of the step is an FP8 gemm
+    (no half gemm is left), and their bytes are at most 0.7x the O2 bfloat16 step's gemms."""
+    import functools
+    import sys
+
+    import mpjax.fp8
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import models
+    import simplenet
+
+    if model == "transformer":
+        module, x, y, _ = models.build("transformer", "tiny")
+        params = module.init(jax.random.key(0), x)["params"]
+        loss = lambda p, x, y: functools.partial(models.loss_and_stats, module, "default")(
+            p, {}, x, y
+        )[0]
+    else:
+        width, batch = simplenet.SIZES["tiny"]
+        params = simplenet.init(jax.random.key(0), width)
+        x, y = jnp.ones((batch, width)), jnp.zeros((batch, width))
+        loss = lambda p, x, y: simplenet.mse(simplenet.simplenet(p, x), y)
+    recipes = {"delayed": None, "current rows": mpjax.fp8.CurrentScaling(granularity="row")}
+    pol = mpjax.fp8.policy("O2", recipe=recipes[recipe])
+    state = mpjax.fp8.init(loss, pol, params, x, y)
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
+    fp8 = mpjax.audit(step, state, params, x, y, target="h100").gpu
+    dtypes = fp8.gemm_dtypes()
+    assert dtypes and all(d.startswith("f8") for d in dtypes), dtypes
+    # Each site's forward, input-gradient and weight-gradient gemm (SimpleNet's first input
+    # needs no gradient). Per-row scales quantize an input once for every dot that reads it,
+    # and XLA then merges dots sharing an operand (q, k and v) into one gemm: at most as many.
+    sites = state.num_sites
+    expected = 3 * sites - (1 if model == "simplenet" else 0)
+    count = sum(dtypes.values())
+    assert count == expected if recipe == "delayed" else count <= expected, (dtypes, sites)
+    o2 = jax.jit(jax.grad(mpjax.autocast(loss, pol.base)))
+    half = mpjax.audit(o2, params, x, y, target="h100").gpu
+    gemm_bytes = lambda p: p.by_kind()["gemm"][1]
+    assert gemm_bytes(fp8) <= 0.7 * gemm_bytes(half), (gemm_bytes(fp8), gemm_bytes(half))
 
 
 @pytest.mark.slow
