@@ -173,6 +173,38 @@ class AuditReport:
         return tuple(m for m in self.matmuls if m.fp8)
 
     @property
+    def fp8_fallbacks(self) -> tuple[str, ...]:
+        """With ``audit(..., target=)``: the FP8 matmuls that the compiled GPU program runs as
+        half gemms (their float8 lost to XLA's passes), by scope (the op name less its last
+        part); () without a target or when every one stayed FP8.
+
+        Counted per scope: the compiled program's half gemms beyond the half matmuls the
+        program has there, where it also has FP8 ones. A dequantize-then-dot pattern with
+        run-time scales (Flax's ``fp8_ops``) loses its float8 on XLA's default gemm path;
+        :mod:`mpjax.fp8`'s dots take float8 operands and keep it.
+
+        Example:
+          >>> import jax.numpy as jnp, mpjax
+          >>> mpjax.audit(lambda a, b: a @ b, jnp.ones((8, 8)), jnp.ones((8, 8))).fp8_fallbacks
+          ()
+        """
+        if self.gpu is None:
+            return ()
+        scope = lambda name: name.rsplit("/", 1)[0]
+        fp8 = {scope(m.name) for m in self.fp8_matmuls if m.name}
+        half = collections.Counter(scope(m.name) for m in self.matmuls if m.name and not m.fp8)
+        compiled = collections.Counter(
+            scope(k.op_name)
+            for k in self.gpu.kernels
+            if k.kind == "gemm" and not all(d.startswith("f8") for d in k.gemm_dtypes)
+        )
+        out: list[str] = []
+        for where, n in sorted(compiled.items()):
+            if where in fp8 and n > half[where]:
+                out += [where] * (n - half[where])
+        return tuple(out)
+
+    @property
     def fp8_flop_share(self) -> float:
         """The share of matmul/conv FLOPs run in FP8 (0.0 with no matmuls).
 
@@ -218,6 +250,7 @@ class AuditReport:
             "half_flop_share": self.half_flop_share,
             "fp8_matmuls": len(self.fp8_matmuls),
             "fp8_flop_share": self.fp8_flop_share,
+            "fp8_fallbacks": list(self.fp8_fallbacks),
             "converts": self.converts,
             "risks": [dataclasses.asdict(r) for r in self.risks],
             "untouched": list(self.untouched),
@@ -353,6 +386,12 @@ class AuditReport:
             rows += ["", f"backend runs matmuls as: {'; '.join(kinds) or 'none found'}"]
         if self.gpu is not None:
             rows += ["", str(self.gpu)]
+            lost = self.fp8_fallbacks
+            if lost:
+                rows.append(
+                    f"  {len(lost)} FP8 matmul(s) run as half gemms here (float8 lost to "
+                    "XLA's passes): " + ", ".join(dict.fromkeys(lost))
+                )
         return "\n".join(rows)
 
 

@@ -361,6 +361,8 @@ class Kernel:
         workspace left out), as if each were read and written once.
       gemm_dtypes: a gemm's operand element types (``("bf16", "bf16")``), else ().
       loop: the while loop or call it runs in, if any ("" at the top level).
+      op_name: the JAX op it was compiled from (the instruction's ``op_name`` metadata, as
+        the audit names matmuls), or "".
     """
 
     name: str
@@ -368,6 +370,7 @@ class Kernel:
     bytes: int
     gemm_dtypes: tuple[str, ...] = ()
     loop: str = ""
+    op_name: str = ""
 
 
 def read_kernels(text: str) -> list[Kernel]:
@@ -398,7 +401,8 @@ def read_kernels(text: str) -> list[Kernel]:
             moved = _bytes(ins.shape, library) + sum(
                 _bytes(comp.shapes.get(o, "")) for o in ins.operands
             )
-            found.append(Kernel(ins.name, kind, moved, types, via))
+            op = re.search(r'op_name="([^"]*)"', ins.attrs)
+            found.append(Kernel(ins.name, kind, moved, types, via, op.group(1) if op else ""))
 
     walk(entry, "", 0)
     return found
