@@ -551,6 +551,26 @@ def test_row_scaling_follows_any_dimension_numbers(rng, spec, lhs_shape, rhs_sha
         assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 0.1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e5m2, "float8_e4m3fn"])
+def test_a_float8_base_dtype_is_refused_with_the_roles(dtype):
+    with pytest.raises(ValueError, match="fixed by role: E4M3 .* E5M2"):
+        mpjax.fp8.policy("O2", dtype)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_scale_that_is_zero_or_not_finite_is_refused(bad):
+    with pytest.raises(ValueError, match="must be positive and finite.*mpjax.fp8.init"):
+        mpjax.fp8.qdq(jnp.ones(3), E4M3, jnp.float32(bad))
+    pol = mpjax.fp8.policy("O2")
+    w, x, dy = jnp.ones((32, 16)), jnp.ones((16, 32)), jnp.ones((16, 16))
+    state = mpjax.fp8.init(_loss, pol, w, x, dy)
+    broken = mpjax.fp8.FP8State(state.scale.at[0, 1].set(bad), state.amax_history, state.recipe)
+    with pytest.raises(ValueError, match="the FP8 state's scales must be positive and finite"):
+        mpjax.fp8.scaled_value_and_grad(_loss, pol)(broken, w, x, dy)
+    with pytest.raises(ValueError, match="the FP8 state's scales must be positive and finite"):
+        mpjax.fp8.apply(lambda w, x: x @ w, pol)(broken, w, x)
+
+
 def test_a_granularity_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="granularity must be 'tensor' or 'row'"):
         mpjax.fp8.CurrentScaling(granularity="block")

@@ -194,6 +194,10 @@ def policy(
 ) -> FP8Policy:
     """Returns an FP8 policy: `level` in `half_dtype`, with dot_general in FP8.
 
+    The FP8 formats are fixed by role (HYBRID, as TransformerEngine's default): E4M3 for
+    inputs and kernels, E5M2 for output gradients; `half_dtype` is the base dtype of
+    everything else.
+
     Args:
       level: the base level, "O1" or "O2" (or "O3").
       half_dtype: the base half dtype (bfloat16 by default, as FP8 training uses).
@@ -208,6 +212,14 @@ def policy(
       >>> str(p.base), p.recipe.margin
       ('p=full,c=bf16,o=full', 1)
     """
+    name = getattr(half_dtype, "__name__", str(half_dtype))
+    if isinstance(half_dtype, str | type | np.dtype) and "float8" in name:
+        raise ValueError(
+            f"half_dtype is {name}: it is the base dtype of the ops that do not run in FP8 "
+            "(bfloat16 or float16). The FP8 formats are fixed by role: E4M3 for the dots' "
+            "inputs and kernels, E5M2 for their output gradients. Use "
+            "mpjax.fp8.policy(level, 'bfloat16')."
+        )
     return FP8Policy(Policy.from_level(level, half_dtype), recipe or DelayedScaling())
 
 
@@ -239,6 +251,7 @@ def qdq(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
       >>> mpjax.fp8.qdq(x, jnp.float8_e4m3fn, jnp.float32(1.0)).tolist()
       [1.0, 0.3125, 448.0]
     """
+    _check_scale(scale, "qdq's scale")
     dt = x.dtype
     inv = (1.0 / scale.astype(jnp.float32)).astype(dt)
     lim = jnp.asarray(_fp8_max(q_dtype), dt)
@@ -734,7 +747,23 @@ def _check_state(state: Any, pol: FP8Policy) -> FP8State:
         raise TypeError(f"expected an FP8State from mpjax.fp8.init, got {type(state).__name__}.")
     if state.recipe != pol.recipe:
         raise ValueError("the state was made for another recipe than the policy's.")
+    _check_scale(state.scale, "the FP8 state's scales")
     return state
+
+
+def _check_scale(scale: Any, what: str) -> None:
+    """A concrete scale that is zero, negative or not finite is refused (a traced one is
+    what mpjax.fp8 computes: never such, see _scale_of)."""
+    if isinstance(scale, jax.core.Tracer) or scale is None:
+        return
+    values = np.asarray(scale, np.float32)
+    if values.size and not (np.all(np.isfinite(values)) and np.all(values > 0)):
+        raise ValueError(
+            f"{what} must be positive and finite, got {values.min()} to {values.max()}: a "
+            "scale multiplies the values stored in FP8, so zero or inf loses them. Make the "
+            "state with mpjax.fp8.init (scales start at 1 and follow the amaxes), or restore "
+            "it from the checkpoint it came from."
+        )
 
 
 def _num_mismatch(expected: int, got: int) -> ValueError:
