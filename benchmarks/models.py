@@ -186,6 +186,8 @@ def build(kind: str, size: str):
 
 HAND_BF16 = "hand-written bfloat16 (dtype=)"
 FP8 = "FP8 (O2 bfloat16 base)"
+FP8_CURRENT = "FP8 current (O2 bfloat16 base)"
+FP8_ROWS = "FP8 current rows (O2 bfloat16 base)"
 
 
 def loss_and_stats(model, precision, p, stats, x, y):
@@ -218,11 +220,13 @@ def handwritten_step(module, x, y, dtype=jnp.bfloat16):
     return jax.jit(step, donate_argnums=(0, 1, 2)), (params, stats, tx.init(params))
 
 
-def fp8_step(module, x, y):
-    """The FP8 policy (delayed scaling) over the float32 module, base O2 bfloat16, Adam."""
+def fp8_step(module, x, y, current=None):
+    """The FP8 policy over the float32 module, base O2 bfloat16, Adam: delayed scaling, or
+    current scaling at granularity `current` ("tensor" or "row")."""
     import mpjax.fp8
 
-    policy = mpjax.fp8.policy("O2")
+    recipe = None if current is None else mpjax.fp8.CurrentScaling(granularity=current)
+    policy = mpjax.fp8.policy("O2", recipe=recipe)
     variables = module.init(jax.random.key(0), x)
     params, stats = variables["params"], variables.get("batch_stats", {})
     fn = functools.partial(loss_and_stats, module, "default")
@@ -244,6 +248,8 @@ def make_step(kind: str, module, variant, x, y):
         return handwritten_step(module, x, y)
     if variant == FP8:
         return fp8_step(module, x, y)
+    if variant in (FP8_CURRENT, FP8_ROWS):
+        return fp8_step(module, x, y, current="row" if variant == FP8_ROWS else "tensor")
     if isinstance(variant, str):
         policy, precision = mpjax.Policy.from_level("O0"), variant
     else:
@@ -277,7 +283,8 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--variants",
         help="comma-separated variant names to run (default: every level, the hand-written "
-        "bfloat16 step, and FP8 on a GPU); O0 default and O2 float16 (no scaling) always run",
+        "bfloat16 step, and FP8's three recipes on a GPU); O0 default and O2 float16 (no "
+        "scaling) always run",
     )
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
@@ -288,7 +295,7 @@ def main(argv=None) -> dict:
     gpu = jax.default_backend() == "gpu"
     chosen = harness.level_variants() + [(HAND_BF16, HAND_BF16)]
     if gpu:  # on a CPU, FP8 dots are emulated: only a GPU says what they buy
-        chosen.append((FP8, FP8))
+        chosen += [(FP8, FP8), (FP8_CURRENT, FP8_CURRENT), (FP8_ROWS, FP8_ROWS)]
     if args.variants:
         keep = set(args.variants.split(",")) | {"O0 default", "O2 float16", "O2 float16 no scaling"}
         chosen = [(n, v) for n, v in chosen if n in keep]
