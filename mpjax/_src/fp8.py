@@ -17,7 +17,7 @@ from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
 from mpjax._src import interpret, transform
-from mpjax._src.policy import Policy
+from mpjax._src.policy import Policy, is_float8
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -212,8 +212,8 @@ def policy(
       >>> str(p.base), p.recipe.margin
       ('p=full,c=bf16,o=full', 1)
     """
-    name = getattr(half_dtype, "__name__", str(half_dtype))
-    if isinstance(half_dtype, str | type | np.dtype) and "float8" in name:
+    if is_float8(half_dtype):
+        name = getattr(half_dtype, "__name__", str(half_dtype))
         raise ValueError(
             f"half_dtype is {name}: it is the base dtype of the ops that do not run in FP8 "
             "(bfloat16 or float16). The FP8 formats are fixed by role: E4M3 for the dots' "
@@ -400,16 +400,13 @@ def _current_bwd(dims: Any, pref: Any, margin: int, res: Any, g: Any) -> Any:
 _fp8_dot_current.defvjp(_current_fwd, _current_bwd)
 
 
-def _row_scale(x: jax.Array, axis: int, q_dtype: Any, margin: int) -> jax.Array:
-    """Per-row scales of `x` along `axis` (kept, size 1): each row's own current scale."""
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
-    return _current_scale(amax, q_dtype, margin)
-
-
 def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin: int, out: Any):
     """``a @ b`` over [B, ., .] operands, contracting a's `a_axis` with b's `b_axis`, each
-    quantized per row along its contracted axis; the scales multiply the result."""
-    sa, sb = _row_scale(a, a_axis, qa, margin), _row_scale(b, b_axis, qb, margin)
+    quantized per row along its contracted axis; the scales multiply the result. Returns the
+    result and each operand's amax (the max of its rows', so each operand is read once)."""
+    row_a = jnp.max(jnp.abs(a), axis=a_axis, keepdims=True).astype(jnp.float32)
+    row_b = jnp.max(jnp.abs(b), axis=b_axis, keepdims=True).astype(jnp.float32)
+    sa, sb = _current_scale(row_a, qa, margin), _current_scale(row_b, qb, margin)
     acc = lax.dot_general(
         quantize(a, qa, sa), quantize(b, qb, sb), (((a_axis,), (b_axis,)), ((0,), (0,))),
         preferred_element_type=out,
@@ -417,7 +414,7 @@ def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin:
     # The result's axes: a's kept axis, then b's. sa is [B, M, 1] or [B, 1, M]; sb likewise.
     inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))
     inv_b = jnp.reshape(1.0 / sb, (sb.shape[0], 1, -1))
-    return acc * (inv_a * inv_b).astype(out)
+    return acc * (inv_a * inv_b).astype(out), jnp.max(row_a), jnp.max(row_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -428,15 +425,15 @@ def _fp8_bmm_rows(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
 
 def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
     del sink
-    out = _row_dot(a, 2, b, 1, E4M3, E4M3, margin, pref)
-    return out, (a, b, _amax(a), _amax(b))
+    out, amax_a, amax_b = _row_dot(a, 2, b, 1, E4M3, E4M3, margin, pref)
+    return out, (a, b, amax_a, amax_b)
 
 
 def _rows_bwd(pref: Any, margin: int, res: Any, g: Any) -> Any:
     a, b, amax_a, amax_b = res
-    da = _row_dot(g, 2, b, 2, E5M2, E4M3, margin, a.dtype)  # [B, M, K]: g's rows, b's rows
-    db = _row_dot(a, 1, g, 1, E4M3, E5M2, margin, b.dtype)  # [B, K, N]: a's and g's columns
-    return da, db, jnp.stack([amax_a, amax_b, _amax(g)])
+    da, amax_g, _ = _row_dot(g, 2, b, 2, E5M2, E4M3, margin, a.dtype)  # [B, M, K]: rows
+    db, _, _ = _row_dot(a, 1, g, 1, E4M3, E5M2, margin, b.dtype)  # [B, K, N]: columns
+    return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 
 _fp8_bmm_rows.defvjp(_rows_fwd, _rows_bwd)
@@ -598,9 +595,7 @@ class _Sites:
     ):
         self.count = 0
         # Current scaling: scales from each tensor's amax, not from the state.
-        self.current = recipe.margin if isinstance(recipe, CurrentScaling) else None
-        self.rows = isinstance(recipe, CurrentScaling) and recipe.granularity == "row"
-        self.margin = recipe.margin if recipe is not None else 0
+        self.current = recipe if isinstance(recipe, CurrentScaling) else None
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
         self.base = base
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
@@ -621,10 +616,9 @@ class _Sites:
         dims = eqn.params["dimension_numbers"]
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
-        if self.rows:
-            return _fp8_dot_rows(dims, dt, self.margin, lhs, rhs, sink[i])
         if self.current is not None:
-            return _fp8_dot_current(dims, dt, self.current, lhs, rhs, sink[i])
+            dot = _fp8_dot_rows if self.current.granularity == "row" else _fp8_dot_current
+            return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
 
     def rules(self) -> interpret.Rules:

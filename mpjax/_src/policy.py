@@ -116,8 +116,13 @@ _FP8_HINT = (
 )
 
 
+def is_float8(dtype: Any) -> bool:
+    """Whether `dtype` (any spelling) names a float8 type."""
+    return "float8" in str(dtype) or str(dtype).startswith("f8")
+
+
 def _float8_hint(dtype: Any) -> str:
-    return _FP8_HINT if "float8" in str(dtype) or str(dtype).startswith("f8") else ""
+    return _FP8_HINT if is_float8(dtype) else ""
 
 
 def scalar_type(dtype: Any) -> Any:
