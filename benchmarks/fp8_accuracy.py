@@ -80,45 +80,37 @@ def train(variant: str, seed: int, size: str, steps: int) -> list[float]:
     module, x0, _, _ = models.build("transformer", size)
     batch, seq = x0.shape
     log_p = chain(module.vocab)
-    keys = jax.random.split(jax.random.key(seed), steps)
     tx = optax.adam(1e-3)
     if variant == "O2 bfloat16":
         model = mpjax.flax.wrap(module, mpjax.Policy.from_level("O2", "bfloat16"))
         params = model.init(jax.random.key(seed), x0)["params"]
-        fn = functools.partial(models.loss_and_stats, model, "default")
-
-        @jax.jit
-        def step(params, opt_state, x, y):
-            (loss, _), grads = jax.value_and_grad(fn, has_aux=True)(params, {}, x, y)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        state = (params, tx.init(params))
-        losses = []
-        for k in keys:
-            *state, loss = step(*state, *draw(log_p, k, batch, seq))
-            losses.append(float(loss))
-        return losses
-    recipe = {
-        "FP8 current": mpjax.fp8.CurrentScaling(),
-        "FP8 current rows": mpjax.fp8.CurrentScaling(granularity="row"),
-    }.get(variant)
-    policy = mpjax.fp8.policy("O2", recipe=recipe)
-    params = module.init(jax.random.key(seed), x0)["params"]
-    fn = functools.partial(models.loss_and_stats, module, "default")
-    fp8_state = mpjax.fp8.init(fn, policy, params, {}, x0, x0)
-    grad = mpjax.fp8.scaled_value_and_grad(fn, policy, has_aux=True)
+        grad = jax.value_and_grad(
+            functools.partial(models.loss_and_stats, model, "default"), has_aux=True
+        )
+        grads_of = lambda params, extra, x, y: (*grad(params, {}, x, y), extra)
+        extra = None
+    else:
+        recipe = {
+            "FP8 current": mpjax.fp8.CurrentScaling(),
+            "FP8 current rows": mpjax.fp8.CurrentScaling(granularity="row"),
+        }.get(variant)
+        policy = mpjax.fp8.policy("O2", recipe=recipe)
+        params = module.init(jax.random.key(seed), x0)["params"]
+        fn = functools.partial(models.loss_and_stats, module, "default")
+        grad = mpjax.fp8.scaled_value_and_grad(fn, policy, has_aux=True)
+        grads_of = lambda params, fp8_state, x, y: grad(fp8_state, params, {}, x, y)
+        extra = mpjax.fp8.init(fn, policy, params, {}, x0, x0)  # the FP8 state
 
     @jax.jit
-    def fp8_step(params, opt_state, fp8_state, x, y):
-        (loss, _), grads, fp8_state = grad(fp8_state, params, {}, x, y)
+    def step(params, opt_state, extra, x, y):
+        (loss, _), grads, extra = grads_of(params, extra, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+        return optax.apply_updates(params, updates), opt_state, extra, loss
 
-    state = (params, tx.init(params), fp8_state)
+    state = (params, tx.init(params), extra)
     losses = []
-    for k in keys:
-        *state, loss = fp8_step(*state, *draw(log_p, k, batch, seq))
+    for k in jax.random.split(jax.random.key(seed), steps):
+        *state, loss = step(*state, *draw(log_p, k, batch, seq))
         losses.append(float(loss))
     return losses
 

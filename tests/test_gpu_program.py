@@ -189,6 +189,17 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
     assert extra <= 1, extra
 
 
+def fp8_recipe(name):
+    """The FP8 recipe the tests call "delayed" (the default), "current" or "current rows"."""
+    import mpjax.fp8
+
+    return {
+        "delayed": None,
+        "current": mpjax.fp8.CurrentScaling(),
+        "current rows": mpjax.fp8.CurrentScaling(granularity="row"),
+    }[name]
+
+
 @pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("gemm", ["cublas", "triton"])
@@ -218,12 +229,7 @@ def test_fp8_dots_run_as_fp8_gemms_in_the_h100_program(gemm, recipe):
         logits = model.apply({"params": p}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    recipes = {
-        "delayed": None,
-        "current": mpjax.fp8.CurrentScaling(),
-        "current rows": mpjax.fp8.CurrentScaling(granularity="row"),
-    }
-    pol = mpjax.fp8.policy("O2", recipe=recipes[recipe])
+    pol = mpjax.fp8.policy("O2", recipe=fp8_recipe(recipe))
     state = mpjax.fp8.init(loss, pol, params, x, y)
     step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     fp8 = mpjax.audit(step, state, params, x, y, target="h100", gemm=gemm).gpu
@@ -304,8 +310,7 @@ def test_every_eligible_dot_of_the_benchmark_models_is_an_fp8_gemm(model, recipe
         params = simplenet.init(jax.random.key(0), width)
         x, y = jnp.ones((batch, width)), jnp.zeros((batch, width))
         loss = lambda p, x, y: simplenet.mse(simplenet.simplenet(p, x), y)
-    recipes = {"delayed": None, "current rows": mpjax.fp8.CurrentScaling(granularity="row")}
-    pol = mpjax.fp8.policy("O2", recipe=recipes[recipe])
+    pol = mpjax.fp8.policy("O2", recipe=fp8_recipe(recipe))
     state = mpjax.fp8.init(loss, pol, params, x, y)
     step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     report = mpjax.audit(step, state, params, x, y, target="h100", gemm=gemm)
