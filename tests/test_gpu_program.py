@@ -347,5 +347,10 @@ def test_quantized_state_update_counted_in_the_h100_program():
     md = quantized_state.h100_program(2**20)
     rows = {r.split("|")[1].strip(): r.split("|")[3:5] for r in md.splitlines()[4:]}
     assert float(rows["f32 params, f32 moments (optax.adam)"][1]) == 2.0, md
-    eight_bit = rows["bf16 params, 8-bit moments (quantize_moments default)"]
-    assert 1.0 < float(eight_bit[1]) < 2.0, md  # measured 1.352 at 256M parameters
+    # Four same-shaped matrices. Both moments' block maxima in one reduction, and the second
+    # evaluation's barrier on the codes alone: 1.180x with recompute (the default; 2.013x
+    # before), 1.057x without (1.182x before).
+    default = float(rows["bf16 params, 8-bit moments (quantize_moments default)"][1])
+    assert default == float(rows["bf16 params, 8-bit moments, recompute=True"][1]), md
+    assert 1.0 < default <= 1.2, md
+    assert float(rows["bf16 params, 8-bit moments, recompute=False"][1]) <= 1.1, md

@@ -68,6 +68,37 @@ def test_blocks_run_along_trailing_axes_and_codes_keep_the_shape():
     assert float(jnp.max(jnp.abs(q.dequantize() / m))) <= 1.25 + 1e-6
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_each_moments_scales_are_its_own_block_maxima(recompute):
+    """The maxima of moments of one shape are taken in shared reductions (up to 8 moments
+    each): every moment still gets exactly its own blocks' largest magnitudes, as quantizing
+    that moment alone gives, for either source of the scales."""
+    shapes = [(4, 300)] * 5 + [(600,), (3, 2, 256)]  # 10 moments of one shape: two groups
+    draw = np.random.default_rng(0)
+    params = {f"w{i}": jnp.zeros(s) for i, s in enumerate(shapes)}
+    spread = lambda p: 10.0 ** draw.uniform(-3, 1, (p.shape[-1],))  # columns' magnitudes
+    grads = {k: jnp.asarray(draw.normal(size=p.shape) * spread(p), jnp.float32)
+             for k, p in params.items()}  # fmt: skip
+    adam = optax.adam(1e-3)
+    tx = mpjax.quantize_moments(adam, min_size=256, block_size=128, recompute=recompute)
+    state = tx.init(params)
+    for _ in range(2):
+        old = state.inner_state
+        _, state = jax.jit(tx.update)(grads, state, params)
+    dequantized = jax.tree_util.tree_map(
+        lambda x: x.dequantize() if isinstance(x, mpjax.QuantizedMoment) else x,
+        old, is_leaf=lambda x: isinstance(x, mpjax.QuantizedMoment))  # fmt: skip
+    _, expected = adam.update(grads, dequantized, params)
+    for name in ("mu", "nu"):
+        fmt = "e4m3" if name == "mu" else "sqrt_e5m3"
+        for k in params:
+            got = getattr(state.inner_state[0], name)[k]
+            alone = mpjax.QuantizedMoment.quantize(
+                getattr(expected[0], name)[k], fmt, block_size=128, key=jax.random.key(0)
+            )
+            np.testing.assert_allclose(got.scales, alone.scales, rtol=1e-6, err_msg=f"{name} {k}")
+
+
 def test_four_bytes_per_param_with_bfloat16_params_and_half_updates():
     params = {"w": jnp.ones((512, 512), jnp.bfloat16), "b": jnp.zeros(512, jnp.bfloat16)}
     tx = mpjax.half_updates(mpjax.quantize_moments(optax.adam(1e-3)))

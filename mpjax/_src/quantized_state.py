@@ -116,6 +116,32 @@ def _block_max(v: jax.Array, block_size: int) -> jax.Array:
     return jnp.max(padded.reshape(rows, blocks, block_size), axis=-1)
 
 
+def _block_maxima(vs: list[jax.Array], block_size: int) -> list[jax.Array]:
+    """`_block_max` of each of `vs` (one shape), as one reduction: XLA then reads every
+    moment's new values in one pass for all their scales, instead of one pass per moment."""
+    if len(vs) == 1:
+        return [_block_max(vs[0], block_size)]
+    rows, cols = vs[0].shape
+    blocks = -(-cols // block_size)
+    padded = [
+        jnp.pad(jnp.abs(v), ((0, 0), (0, blocks * block_size - cols))).reshape(
+            rows, blocks, block_size
+        )
+        for v in vs
+    ]
+    zeros = tuple(np.float32(0) for _ in vs)
+    out = jax.lax.reduce(
+        tuple(padded), zeros, lambda a, b: tuple(jnp.maximum(x, y) for x, y in zip(a, b)), (2,)
+    )
+    return list(out)
+
+
+# How many moments of one shape share a block-maxima reduction (see _block_maxima). One
+# reduction for all 64 moments of a GPT's attention kernels made XLA keep some of them in
+# float32 between the passes, in its H100 program.
+_GROUP = 8
+
+
 def _spread(scales: jax.Array, cols: int, block_size: int) -> jax.Array:
     """Block values ``[rows, blocks]`` repeated over their elements: ``[rows, cols]``."""
     rows, blocks = scales.shape
@@ -319,7 +345,7 @@ def quantize_moments(
     first: Any = "e4m3",
     second: Any = "sqrt_e5m3",
     key: jax.Array | int = 0,
-    recompute: bool | None = None,
+    recompute: bool | None = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Keeps `inner`'s moments in 8 bits: 1 byte per element and a float32 scale per block.
 
@@ -356,11 +382,13 @@ def quantize_moments(
       second: the second moments' format: ``"sqrt_e5m3"`` (default) or ``"sqrt_e4m4"``.
       key: PRNG key or int seed of the stochastic rounding.
       recompute: where the block scales come from. A block's scale is its largest new
-        value, needed before any of its codes: with ``True`` a second evaluation of `inner`
-        feeds only the block maxima, so the new float32 moments never go to memory (the
-        half-params guide has GPU timings); with ``False`` the moments are
-        computed once, written in float32 and read back, which costs less on a CPU, where
-        the second evaluation is compute. ``None`` (default): ``True`` except on a CPU.
+        value, needed before any of its codes; the maxima of up to 8 moments of one shape are
+        one reduction, which reads their gradients and codes once. With ``True`` (the
+        default; ``None`` means it too) a second evaluation of `inner` feeds only the
+        maxima, so the new float32 moments are computed again in the pass that writes the
+        codes and never go to memory. With ``False`` `inner` is evaluated once and XLA
+        decides, per moment, whether to keep the new moments in float32 between the two
+        passes. ``benchmarks/RESULTS.md`` has both on a CPU and in the H100 program.
 
     Returns:
       An optax ``GradientTransformationExtraArgs`` whose state is a
@@ -400,19 +428,30 @@ def quantize_moments(
     def quantize(tree: Any, key: jax.Array, shadow: Any = None) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         twins = [None] * len(leaves) if shadow is None else up_to(treedef, shadow)
-        out = []
+        fmts: dict[int, str] = {}
+        groups: dict[Any, list[int]] = {}
+        mags: dict[int, jax.Array] = {}
         for i, ((path, leaf), twin) in enumerate(zip(leaves, twins, strict=True)):
             field = moment(path, leaf)
             if field is None:
+                continue
+            fmts[i] = first_fmt if field in FIRST else second_fmt
+            mags[i] = _magnitudes(leaf if twin is None else twin, FORMATS[fmts[i]], block_size)
+            groups.setdefault((np.shape(leaf), mags[i].shape), []).append(i)
+        scales: dict[int, jax.Array] = {}
+        for same in groups.values():
+            for start in range(0, len(same), _GROUP):
+                members = same[start : start + _GROUP]
+                found = _block_maxima([mags[i] for i in members], block_size)
+                scales.update(zip(members, found, strict=True))
+        out = []
+        for i, (_, leaf) in enumerate(leaves):
+            if i not in fmts:
                 out.append(leaf)
                 continue
             k = jax.random.fold_in(key, i)
-            fmt = first_fmt if field in FIRST else second_fmt
-            scales = None
-            if twin is not None:
-                scales = _block_max(_magnitudes(twin, FORMATS[fmt], block_size), block_size)
-            out.append(QuantizedMoment.quantize(leaf, fmt, block_size=block_size, key=k,
-                                                scales=scales))  # fmt: skip
+            out.append(QuantizedMoment.quantize(leaf, fmts[i], block_size=block_size, key=k,
+                                                scales=scales[i]))  # fmt: skip
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def dequantize(tree: Any) -> Any:
@@ -449,12 +488,13 @@ def quantize_moments(
             updates, dequantize(state.inner_state), params, **extra_args
         )
         shadow = None
-        if recompute or (recompute is None and jax.default_backend() != "cpu"):
+        if recompute is None or recompute:
             # The block scales from a second evaluation of `inner` that XLA cannot merge with
-            # the first: its moments feed only the block maxima, so no float32 moment is
-            # written to memory and read back (see the `recompute` argument).
-            g, q, p = jax.lax.optimization_barrier((updates, state.inner_state, params))
-            _, shadow = inner_tx.update(g, dequantize(q), p, **extra_args)
+            # the first: its moments feed only the block maxima. The barrier is on the stored
+            # codes alone, so it makes XLA write nothing (a barrier on the gradients made it
+            # write them in float32).
+            q = jax.lax.optimization_barrier(state.inner_state)
+            _, shadow = inner_tx.update(updates, dequantize(q), params, **extra_args)
         new_state = QuantizedMomentsState(
             quantize(inner_state, round_key, shadow), jax.random.key_data(key)
         )
