@@ -27,7 +27,7 @@ from mpjax._src import hardware, interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Facts, analyze, while_facts
 from mpjax._src.dtypes import dtype_max, is_float_dtype
-from mpjax._src.islands import ISLAND, ISLAND_OPS, remat_islands
+from mpjax._src.islands import ISLAND, ISLAND_OPS, is_island_call, remat_islands
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
 from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
@@ -385,7 +385,7 @@ class _Env:
         memory of the half program. Forward values are unchanged."""
         v = eqn.outvars[0]
         if (
-            eqn.primitive.name not in ISLAND_OPS
+            (eqn.primitive.name not in ISLAND_OPS and not is_island_call(eqn))
             or len(eqn.outvars) != 1
             or isinstance(v, jc.DropVar)
             or not isinstance(out, jax.core.Tracer)

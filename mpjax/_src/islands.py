@@ -27,6 +27,26 @@ ISLAND_OPS = frozenset(
 )  # fmt: skip
 
 
+# Ops an island function's body may hold beside ISLAND_OPS: tests whose boolean results pick
+# between float values (jnp.logaddexp's select of its NaN case).
+_ISLAND_TESTS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "is_finite", "and", "or", "not"})
+
+
+def is_island_call(eqn: Any) -> bool:
+    """Whether `eqn` is a ``custom_jvp`` function whose body holds island ops only
+    (`jnp.logaddexp`, and through it `jax.nn.softplus` and `log_sigmoid`): it extends a float32
+    island as one op does, its derivative rule kept, so that the island does not end at it
+    and keep every float32 value after it for the backward pass."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return False
+    body = eqn.params.get("call_jaxpr")
+    body = getattr(body, "jaxpr", body)
+    if body is None:
+        return False
+    return all(e.primitive.name in ISLAND_OPS or e.primitive.name in _ISLAND_TESTS
+               for e in body.eqns)  # fmt: skip
+
+
 # Ops that make a constant array from literals or constants (see remat_islands).
 _CONST_MAKERS = frozenset(
     {"broadcast_in_dim", "convert_element_type", "reshape", "iota", "squeeze", "expand_dims"}
