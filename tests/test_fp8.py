@@ -521,7 +521,8 @@ def test_row_scaling_keeps_small_rows_that_one_tensor_scale_loses(rng):
             # the state records each tensor's amax, as per-tensor scaling does
             amax = np.asarray(new.amax_history[0, :, 0])
             np.testing.assert_allclose(amax[:2], [np.abs(x).max(), np.abs(w).max()], rtol=2**-8)
-    assert worst["row"] < 0.06 < 0.5 < worst["tensor"], worst
+    # The worst row's error over 300 draws: mean 4.9%, largest 6.3% (1 in 100 above 6%).
+    assert worst["row"] < 0.08 < 0.5 < worst["tensor"], worst
 
 
 @pytest.mark.parametrize(
