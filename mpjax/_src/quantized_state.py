@@ -108,12 +108,18 @@ def _magnitudes(x: jax.Array, f: _Format, block_size: int) -> jax.Array:
     return v if f.signed else jnp.sqrt(jnp.maximum(v, 0.0))
 
 
-def _block_max(v: jax.Array, block_size: int) -> jax.Array:
-    """Each block's largest magnitude: ``[rows, ceil(cols / block_size)]``."""
+def _blocks(v: jax.Array, block_size: int) -> jax.Array:
+    """``|v|`` in blocks, ``[rows, ceil(cols / block_size), block_size]`` (a short last block
+    padded with zeros)."""
     rows, cols = v.shape
     blocks = -(-cols // block_size)
     padded = jnp.pad(jnp.abs(v), ((0, 0), (0, blocks * block_size - cols)))
-    return jnp.max(padded.reshape(rows, blocks, block_size), axis=-1)
+    return padded.reshape(rows, blocks, block_size)
+
+
+def _block_max(v: jax.Array, block_size: int) -> jax.Array:
+    """Each block's largest magnitude: ``[rows, ceil(cols / block_size)]``."""
+    return jnp.max(_blocks(v, block_size), axis=-1)
 
 
 def _block_maxima(vs: list[jax.Array], block_size: int) -> list[jax.Array]:
@@ -121,17 +127,11 @@ def _block_maxima(vs: list[jax.Array], block_size: int) -> list[jax.Array]:
     moment's new values in one pass for all their scales, instead of one pass per moment."""
     if len(vs) == 1:
         return [_block_max(vs[0], block_size)]
-    rows, cols = vs[0].shape
-    blocks = -(-cols // block_size)
-    padded = [
-        jnp.pad(jnp.abs(v), ((0, 0), (0, blocks * block_size - cols))).reshape(
-            rows, blocks, block_size
-        )
-        for v in vs
-    ]
-    zeros = tuple(np.float32(0) for _ in vs)
     out = jax.lax.reduce(
-        tuple(padded), zeros, lambda a, b: tuple(jnp.maximum(x, y) for x, y in zip(a, b)), (2,)
+        tuple(_blocks(v, block_size) for v in vs),
+        tuple(np.float32(0) for _ in vs),
+        lambda a, b: tuple(jnp.maximum(x, y) for x, y in zip(a, b, strict=True)),
+        (2,),
     )
     return list(out)
 
