@@ -497,6 +497,29 @@ def test_a_softmax_island_differentiates_from_its_half_output(half):
         assert rel_err(g, want) <= rel_err(h, want), (rel_err(g, want), rel_err(h, want))
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_softmax_island_differentiates_in_forward_mode(level):
+    """Forward mode (``jax.jvp``, ``jax.jacfwd``) through a softmax island: its derivative
+    rule is a ``custom_jvp``, which reverse mode transposes, so both modes work and agree
+    with float32's; reverse mode still keeps nothing float32 of the scores' size."""
+    r = np.random.default_rng(2)
+    q, k, v = (jnp.asarray(r.normal(size=(2, 16, 2, 8)), jnp.float32) for _ in range(3))
+    mask = nn.make_causal_mask(jnp.ones((2, 16)))
+    attend = lambda q: _attention(q, k, v, mask)
+    cast = mpjax.autocast(attend, mpjax.Policy.from_level(level, jnp.bfloat16))
+    t = jnp.asarray(r.normal(size=q.shape), jnp.float32)
+    with jax.default_matmul_precision("highest"):  # the float32 reference
+        want = jax.jvp(attend, (q,), (t,))[1]
+        want_jac = jax.jacfwd(lambda q: jnp.sum(jnp.tanh(attend(q))))(q)
+    got = jax.jit(lambda q, t: jax.jvp(cast, (q,), (t,))[1])(q, t)
+    assert rel_err(got, want) < 3e-2, rel_err(got, want)
+    got_jac = jax.jit(jax.jacfwd(lambda q: jnp.sum(jnp.tanh(cast(q)))))(q)
+    assert rel_err(got_jac, want_jac) < 3e-2, rel_err(got_jac, want_jac)
+    c = jnp.asarray(r.normal(size=q.shape), jnp.float32)  # a loss that keeps nothing itself
+    kept = memory.residual_bytes(lambda q: jnp.sum(cast(q) * c), q)
+    assert kept.get("float32", 0) < 2 * 2 * 16 * 16 * 4, kept
+
+
 def test_a_masked_softmax_with_a_mask_input_passes_its_mask_back():
     """A softmax island whose scores pass through a mask the caller gives: the gradient is
     zero where the mask is off and agrees with float32 where it is on."""

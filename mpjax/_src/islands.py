@@ -366,10 +366,12 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
     def _softmax_region(
         f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: _Softmax
     ) -> Callable[..., Any]:
-        """`f`, a softmax region (see _softmax), whose backward pass computes the softmax's
-        derivative from its half output, as the hand-written half softmax does, instead of
-        recomputing the float32 island: ``dz = y * (g - sum(g * y))`` in float32, then back
-        through the affine ops from the inputs to `z` (a cast up, a mask)."""
+        """`f`, a softmax region (see _softmax), differentiated from its half output, as the
+        hand-written half softmax is (jax.nn.softmax's own rule), instead of recomputing the
+        float32 island: ``dy = y * (dz - sum(dz * y))`` in float32, with ``dz`` the tangent of
+        `z` through the affine ops from the inputs (a cast up, a mask). A ``custom_jvp``, so
+        forward mode works too; its tangent is linear, so JAX transposes it for reverse mode,
+        keeping only the half output (see _softmax_tangent)."""
         z, axes, diff, prefix = soft
         stack_of = {id(e): st for e, st in zip(run, stacks, strict=True)}
         reads = _reads(prefix, z)
@@ -383,30 +385,19 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
                 bind(e, env, stack_of[id(e)])
             return env[z]
 
-        @jax.custom_vjp
+        @jax.custom_jvp
         def region(*vals: Any) -> list[Any]:
             return f(*vals)
 
-        def fwd(*vals: Any) -> tuple[list[Any], Any]:
-            out = f(*vals)
-            return out, (out[0], [vals[i] for i in kept])
+        def region_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+            out = f(*primals)
+            kept_vals = [primals[i] for i in kept]
+            dy = _softmax_tangent(
+                lambda t: to_z(t, kept_vals), out[0], [tangents[i] for i in at], axes
+            )
+            return out, [dy]
 
-        def bwd(res: Any, cts: Any) -> tuple[Any, ...]:
-            y_half, kept_vals = res
-            y = y_half.astype(np.float32)
-            g = cts[0].astype(np.float32)
-            dz = (y * (g - jnp.sum(g * y, axis=axes, keepdims=True))).astype(z.aval.dtype)
-            # The backward pass of the affine ops needs no primal value: take it at zeros
-            # shaped and placed as the cotangent (the inputs have z's shape, see _softmax).
-            zeros = [jnp.zeros_like(dz, dtype=v.aval.dtype) for v in diff]
-            _, pull = jax.vjp(lambda *d: to_z(d, kept_vals), *zeros)
-            grads = pull(dz)
-            out: list[Any] = [None] * len(ins)
-            for i, gr in zip(at, grads, strict=True):
-                out[i] = gr
-            return tuple(out)
-
-        region.defvjp(fwd, bwd)
+        region.defjvp(region_jvp)
         return region
 
     # The same island in every layer of a model (a norm, a softmax) is one function: JAX
@@ -447,6 +438,26 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
         return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
 
     return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
+
+
+def _softmax_tangent(
+    to_z: Callable[..., Any], y_half: Any, d_in: list[Any], axes: tuple[int, ...]
+) -> Any:
+    """The tangent of a softmax's half output `y_half` for the tangents `d_in` of its inputs:
+    ``y * (dz - sum(dz * y, axes))`` in float32, cast to `y_half`'s dtype, where ``dz`` is the
+    scores' tangent through `to_z` (affine: its tangent is taken at zeros). Linear in `d_in`.
+    The float32 ``y`` and the zeros are made again inside a remat, so that reverse mode keeps
+    the half output (which the next gemm keeps anyway) and no float32 copy or zeros."""
+
+    def tangent(y_half: Any, d_in: list[Any]) -> Any:
+        zeros = [jnp.zeros_like(d) for d in d_in]
+        _, dz = jax.jvp(lambda *d: to_z(d), tuple(zeros), tuple(d_in))
+        y = y_half.astype(np.float32)
+        t = dz.astype(np.float32)
+        return (y * (t - jnp.sum(t * y, axis=axes, keepdims=True))).astype(y_half.dtype)
+
+    nothing = jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint(tangent, policy=nothing, prevent_cse=False)(y_half, d_in)
 
 
 def _region_key(run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]) -> Any:
