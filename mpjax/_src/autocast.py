@@ -28,14 +28,13 @@ from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Facts, analyze, while_facts
 from mpjax._src.dtypes import dtype_max, is_float_dtype
 from mpjax._src.islands import ISLAND, ISLAND_OPS, is_island_call, remat_islands
+from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
 from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
-    CARRY_OPS,
     ELEMENTWISE,
     FILL_OPS,
     NO_USE,
-    PASS_OPS,
     SHAPE_OPS,
     Action,
     Flags,
@@ -532,7 +531,7 @@ def _eval_jaxpr(
 
 
 # Ops whose result is still the loop's carry when an operand is: updates and moves.
-_CARRY_PASS = CARRY_OPS | SHAPE_OPS | PASS_OPS | {"convert_element_type"}
+_CARRY_PASS = ops.having(Trait.CARRIES | Trait.MOVES | Trait.PASSES | Trait.CAST)
 
 
 def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
@@ -1081,11 +1080,7 @@ def _primitive_rule(
 # Data movement: a cast commutes with it, so it can run on the half cast (see _Env.move).
 # Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
 # a reshard; on JAX 0.6 a gather between two mesh_casts).
-_MOVES = frozenset(
-    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
-     "dynamic_slice", "gather", "copy", "copy_p", "reshard", "sharding_constraint",
-     "mesh_cast"}
-)  # fmt: skip
+_MOVES = ops.having(Trait.CAST_FIRST)
 
 
 def _gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable[..., Any]:

@@ -17,11 +17,13 @@ from mpjax._src import ops
 from mpjax._src.compare import Program, check_fn, run_compare, trace_program
 from mpjax._src.compare_metric import check_metric, metric_name, relative_error
 from mpjax._src.compare_report import CompareReport, fmt
+from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
-from mpjax._src.shadow import MOVES, count_flops
+from mpjax._src.shadow import count_flops
 
-# Ops whose float operands only decide something: never candidates for the float32 list.
-NOT_CANDIDATES = frozenset({"convert_element_type", "sort", "argmax", "argmin", "top_k"}) | MOVES
+# The cast, ops that decide by an order and ops that only move data: never candidates for
+# the float32 list.
+NOT_CANDIDATES = ops.having(Trait.CAST | Trait.ORDERS | Trait.MOVES | Trait.PASSES)
 
 
 # -- the search --------------------------------------------------------------------------------

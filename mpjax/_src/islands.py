@@ -13,23 +13,19 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import jax_compat as jc
+from mpjax._src import ops
 from mpjax._src.dtypes import is_float_dtype
+from mpjax._src.ops import Trait
 
 # Float32 islands (see _Env.tag_island): the ops that extend one, the name its values carry,
 # and the remat policy that recomputes them for the backward pass instead of keeping them.
 ISLAND = "mpjax_float32_island"
-ISLAND_OPS = frozenset(
-    {"convert_element_type", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic",
-     "sin", "cos", "sqrt", "rsqrt", "cbrt", "erf", "erfc", "abs", "neg", "sign", "square",
-     "integer_pow", "pow", "add", "add_any", "sub", "mul", "div", "max", "min", "select_n",
-     "clamp", "reduce_sum", "reduce_max", "reduce_min", "broadcast_in_dim", "reshape",
-     "squeeze", "expand_dims", "transpose", "stop_gradient"}
-)  # fmt: skip
+ISLAND_OPS = ops.having(Trait.ISLAND)
 
 
 # Ops an island function's body may hold beside ISLAND_OPS: tests whose boolean results pick
 # between float values (jnp.logaddexp's select of its NaN case).
-_ISLAND_TESTS = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "is_finite", "and", "or", "not"})
+_ISLAND_TESTS = ops.having(Trait.ISLAND_TEST)
 
 
 def is_island_call(eqn: Any) -> bool:
@@ -48,9 +44,7 @@ def is_island_call(eqn: Any) -> bool:
 
 
 # Ops that make a constant array from literals or constants (see remat_islands).
-_CONST_MAKERS = frozenset(
-    {"broadcast_in_dim", "convert_element_type", "reshape", "iota", "squeeze", "expand_dims"}
-)
+_CONST_MAKERS = ops.having(Trait.CONSTANT)
 
 
 # An island's statistics (a norm's per-row mean and mean square): sums whose result is at
@@ -60,7 +54,7 @@ _CONST_MAKERS = frozenset(
 # _statistics).
 STATISTIC = "mpjax_island_statistic"
 _STAT_RATIO = 8
-_REDUCTIONS = frozenset({"reduce_sum"})
+_REDUCTIONS = ops.having(Trait.STATISTIC)
 SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
 
 
@@ -94,9 +88,9 @@ def _statistics(run: list[Any]) -> set[Any]:
 # Ops a softmax's input may pass through from the region's inputs (a cast up, a mask's fill):
 # elementwise and affine in their float operand, so their backward pass needs no primal value
 # of that operand, and the cotangent keeps the input's shape and sharding.
-_AFFINE = frozenset({"convert_element_type", "select_n", "neg", "name", "copy", "copy_p"})
+_AFFINE = ops.having(Trait.AFFINE)
 # The ops between a reduction and the broadcast of its result back.
-_REBROADCAST = frozenset({"broadcast_in_dim", "reshape", "name"})
+_REBROADCAST = ops.having(Trait.REBROADCAST)
 
 
 class _Softmax(NamedTuple):

@@ -1,57 +1,217 @@
-"""The op lists: which JAX primitives run in half, which stay in float32, which follow inputs."""
+"""The op table: a record per JAX primitive, its kind (runs in half, stays in float32,
+follows its inputs, ...) and its traits; every list of primitives is derived from it."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
+from typing import NamedTuple
 
-# Matmul-like ops that gain from tensor cores: torch.amp's CUDA "lower_precision_fp" list and
-# PaddlePaddle's O1 white list, in JAX primitive names.
-_LOWER = frozenset({"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"})
 
-# Ops that lose accuracy or overflow in half: torch.amp's CUDA "fp32" list and Paddle's O1
-# black list. Softmax, log_softmax, logsumexp, norms, cross-entropy and MSE are built from these.
-_F32 = frozenset(
-    {
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "expm1",
-        "pow",
-        "rsqrt",
-        "tan",
-        "sinh",
-        "cosh",
-        "asin",
-        "acos",
-        "erf_inv",
-        "reduce_sum",
-        "reduce_prod",
-        "cumsum",
-        "cumprod",
-        "cumlogsumexp",
-    }
-)
+class Kind(enum.Enum):
+    """What autocast does with a primitive (see :data:`PRIMITIVES`)."""
 
-# Every other primitive mpjax knows by name; at O1 these follow their inputs (widest float wins).
-_FOLLOW = frozenset(
-    {
-        "abs", "acosh", "add", "and", "argmax", "argmin", "asinh", "atan", "atan2", "atanh",
-        "bessel_i0e", "bessel_i1e", "broadcast_in_dim", "cbrt", "ceil", "clamp", "concatenate",
-        "convert_element_type", "copy", "cos", "cummax", "cummin", "digamma", "div",
-        "dynamic_slice", "dynamic_update_slice", "eq", "erf", "erfc", "floor", "gather", "ge",
-        "gt", "integer_pow", "iota", "is_finite", "le", "lgamma", "logistic", "lt", "max", "min",
-        "mul", "ne", "neg", "nextafter", "not", "or", "pad", "reduce_and", "reduce_max",
-        "reduce_min", "reduce_or", "reduce_precision", "reduce_window", "reduce_window_max",
-        "reduce_window_min", "reduce_window_sum", "rem", "reshape", "rev", "round", "scatter",
-        "scatter-add", "scatter-max", "scatter-min", "scatter-mul", "select_and_gather_add",
-        "select_and_scatter_add", "select_n", "sign", "sin", "sort", "split", "sqrt", "square",
-        "squeeze", "sub", "tanh", "top_k", "transpose", "xor",
-        # Newer primitives: jnp.stack and jnp.tile (0.7+), unstack, cotangent sums (add_any).
-        "stack", "tile", "unstack", "add_any", "scatter-sub",
-    }
+    # Matmul-like ops that gain from tensor cores: torch.amp's CUDA "lower_precision_fp" list
+    # and PaddlePaddle's O1 white list.
+    LOWER = "lower"  # runs in the policy's half dtype (tensor-core math)
+    # Ops that lose accuracy or overflow in half: torch.amp's CUDA "fp32" list and Paddle's O1
+    # black list. Softmax, log_softmax, logsumexp, norms and losses are built from these.
+    F32 = "f32"  # runs in float32
+    FOLLOW = "follow"  # follows its inputs at O1, the policy's compute dtype at O2
+    UNTOUCHED = "untouched"  # runs in its traced dtypes, for the reason given
+    OWN_RULE = "own rule"  # its traits decide (it passes values through, moves data, ...)
+    HIGHER_ORDER = "higher order"  # the interpreter runs its body (interpret.py)
+
+
+class Trait(enum.Flag):
+    """What the dtype rule, the islands and the shadow need to know about a primitive beside
+    its kind (see :data:`PRIMITIVES`); a primitive has any number of them."""
+
+    NONE = 0
+    # Takes operands of unrelated dtypes and passes them through.
+    PASSES = enum.auto()
+    # Only moves data: keeps its input's dtype and the first computing consumer casts. Besides
+    # saving converts, this keeps backward reductions in float32: the transpose of broadcasting
+    # a float32 bias is a float32 sum of the half cotangent, not a half sum.
+    MOVES = enum.auto()
+    # A cast commutes with it, so it can run on the half cast (see _Env.move); resharding ops
+    # move the value between devices.
+    CAST_FIRST = enum.auto()
+    # Is the cast itself.
+    CAST = enum.auto()
+    # Elementwise, broadcasting size-1 dimensions implicitly.
+    ELEMENTWISE = enum.auto()
+    # Its meaning depends on the bit width: always runs in its traced dtype.
+    BIT_WIDTH = enum.auto()
+    # Its float operands only decide something (a bool, an index, an order): it and the
+    # values feeding it keep their traced dtype, so rounding cannot flip a decision.
+    DECIDES = enum.auto()
+    # Decides by an order (sort, argmax): no float32 rule for it makes a difference.
+    ORDERS = enum.auto()
+    # A reduction whose result is one of its operand's values, exact in any float dtype.
+    EXACT = enum.auto()
+    # Commutes with a cast down (a monotone rounding): relu(cast(x)) == cast(relu(x)).
+    COMMUTES = enum.auto()
+    # A constant operand is a fill or a bound: one beyond the half's range saturates.
+    FILLS = enum.auto()
+    # Combines a value that feeds a decision with the decision's result: p - floor(p) cancels
+    # to the fractional part, which the half rounding of p would lose.
+    CANCELS = enum.auto()
+    # Passes a loop-carried value on, updated: y - 9e-4 * y, acc.at[i].add(v), a masked step
+    # jnp.where(done, y, y_new). Run in the carry's traced dtype, the update is not lost below
+    # half an ulp of the carry (an explicit Euler step in bfloat16 never moves y).
+    CARRIES = enum.auto()
+    # Extends a float32 island (see islands.py).
+    ISLAND = enum.auto()
+    # A test an island function may hold beside ISLAND ops: its boolean result picks between
+    # float values (jnp.logaddexp's select of its NaN case).
+    ISLAND_TEST = enum.auto()
+    # Makes a constant array from literals or constants (see islands.remat_islands).
+    CONSTANT = enum.auto()
+    # An island's statistic when its result is small beside its operand (see islands.py).
+    STATISTIC = enum.auto()
+    # Elementwise and affine in its float operand: its backward pass needs no primal value.
+    AFFINE = enum.auto()
+    # May stand between a reduction and the broadcast of its result back.
+    REBROADCAST = enum.auto()
+
+
+_L, _F, _W, _OWN = Kind.LOWER, Kind.F32, Kind.FOLLOW, Kind.OWN_RULE
+_T = Trait
+PASSES, MOVES, CAST_FIRST, CAST, ELEMENTWISE, BIT_WIDTH = (
+    _T.PASSES, _T.MOVES, _T.CAST_FIRST, _T.CAST, _T.ELEMENTWISE, _T.BIT_WIDTH
 )  # fmt: skip
+DECIDES, ORDERS, EXACT, COMMUTES, FILLS, CANCELS, CARRIES = (
+    _T.DECIDES, _T.ORDERS, _T.EXACT, _T.COMMUTES, _T.FILLS, _T.CANCELS, _T.CARRIES
+)  # fmt: skip
+ISLAND, TEST, CONSTANT, STATISTIC, AFFINE, REBROADCAST, NONE = (
+    _T.ISLAND, _T.ISLAND_TEST, _T.CONSTANT, _T.STATISTIC, _T.AFFINE, _T.REBROADCAST, _T.NONE
+)  # fmt: skip
+
+# One record per primitive autocast computes with: its kind and its traits.
+_RECORDS: dict[str, tuple[Kind, Trait]] = {
+    "abs": (_W, COMMUTES | ISLAND),
+    "acos": (_F, NONE),
+    "acosh": (_W, NONE),
+    "add": (_W, ELEMENTWISE | CANCELS | CARRIES | ISLAND),
+    "add_any": (_W, CANCELS | CARRIES | ISLAND),
+    "and": (_W, TEST),
+    "argmax": (_W, DECIDES | ORDERS),
+    "argmin": (_W, DECIDES | ORDERS),
+    "asin": (_F, NONE),
+    "asinh": (_W, NONE),
+    "atan": (_W, NONE),
+    "atan2": (_W, ELEMENTWISE),
+    "atanh": (_W, NONE),
+    "bessel_i0e": (_W, NONE),
+    "bessel_i1e": (_W, NONE),
+    "bitcast_convert_type": (_OWN, BIT_WIDTH),
+    "broadcast_in_dim": (_W, MOVES | CAST_FIRST | ISLAND | CONSTANT | REBROADCAST),
+    "cbrt": (_W, ISLAND),
+    "ceil": (_W, NONE),
+    "clamp": (_W, ELEMENTWISE | COMMUTES | FILLS | ISLAND),
+    "concatenate": (_W, NONE),
+    "conv_general_dilated": (_L, NONE),
+    "convert_element_type": (_W, CAST | ISLAND | CONSTANT | AFFINE),
+    "copy": (_W, MOVES | CAST_FIRST | AFFINE),
+    "copy_p": (_OWN, MOVES | CAST_FIRST | AFFINE),
+    "cos": (_W, ISLAND),
+    "cosh": (_F, NONE),
+    "cumlogsumexp": (_F, NONE),
+    "cummax": (_W, NONE),
+    "cummin": (_W, NONE),
+    "cumprod": (_F, NONE),
+    "cumsum": (_F, NONE),
+    "device_put": (_OWN, PASSES),
+    "digamma": (_W, NONE),
+    "div": (_W, ELEMENTWISE | ISLAND),
+    "dot_general": (_L, NONE),
+    "dynamic_slice": (_W, MOVES | CAST_FIRST),
+    "dynamic_update_slice": (_W, CARRIES),
+    "eq": (_W, DECIDES | TEST),
+    "erf": (_W, ISLAND),
+    "erf_inv": (_F, NONE),
+    "erfc": (_W, ISLAND),
+    "exp": (_F, ISLAND),
+    "exp2": (_F, ISLAND),
+    "expand_dims": (_OWN, MOVES | CAST_FIRST | ISLAND | CONSTANT),
+    "expm1": (_F, ISLAND),
+    "floor": (_W, NONE),
+    "gather": (_W, MOVES | CAST_FIRST),
+    "ge": (_W, DECIDES | TEST),
+    "gt": (_W, DECIDES | TEST),
+    "integer_pow": (_W, ISLAND),
+    "iota": (_W, CONSTANT),
+    "is_finite": (_W, DECIDES | TEST),
+    "le": (_W, DECIDES | TEST),
+    "lgamma": (_W, NONE),
+    "log": (_F, ISLAND),
+    "log1p": (_F, ISLAND),
+    "logistic": (_W, ISLAND),
+    "lt": (_W, DECIDES | TEST),
+    "max": (_W, ELEMENTWISE | COMMUTES | FILLS | ISLAND),
+    "mesh_cast": (_OWN, PASSES | CAST_FIRST),
+    "min": (_W, ELEMENTWISE | COMMUTES | FILLS | ISLAND),
+    "mul": (_W, ELEMENTWISE | ISLAND),
+    "name": (_OWN, PASSES | AFFINE | REBROADCAST),
+    "ne": (_W, DECIDES | TEST),
+    "neg": (_W, COMMUTES | ISLAND | AFFINE),
+    "nextafter": (_W, ELEMENTWISE | BIT_WIDTH),
+    "not": (_W, TEST),
+    "optimization_barrier": (_OWN, PASSES),
+    "or": (_W, TEST),
+    "pad": (_W, FILLS),
+    "pow": (_F, ELEMENTWISE | ISLAND),
+    "pvary": (_OWN, PASSES),
+    "ragged_dot": (_L, NONE),
+    "ragged_dot_general": (_L, NONE),
+    "reduce_and": (_W, NONE),
+    "reduce_max": (_W, EXACT | ISLAND),
+    "reduce_min": (_W, EXACT | ISLAND),
+    "reduce_or": (_W, NONE),
+    "reduce_precision": (_W, BIT_WIDTH),
+    "reduce_prod": (_F, NONE),
+    "reduce_sum": (_F, ISLAND | STATISTIC),
+    "reduce_window": (_W, NONE),
+    "reduce_window_max": (_W, NONE),
+    "reduce_window_min": (_W, NONE),
+    "reduce_window_sum": (_W, NONE),
+    "rem": (_W, ELEMENTWISE),
+    "reshape": (_W, MOVES | CAST_FIRST | ISLAND | CONSTANT | REBROADCAST),
+    "reshard": (_OWN, PASSES | CAST_FIRST),
+    "rev": (_W, MOVES | CAST_FIRST),
+    "round": (_W, NONE),
+    "rsqrt": (_F, ISLAND),
+    "scatter": (_W, CARRIES),
+    "scatter-add": (_W, CARRIES),
+    "scatter-max": (_W, NONE),
+    "scatter-min": (_W, NONE),
+    "scatter-mul": (_W, NONE),
+    "scatter-sub": (_W, CARRIES),
+    "select_and_gather_add": (_W, NONE),
+    "select_and_scatter_add": (_W, NONE),
+    "select_n": (_W, ELEMENTWISE | COMMUTES | FILLS | CARRIES | ISLAND | AFFINE),
+    "sharding_constraint": (_OWN, PASSES | CAST_FIRST),
+    "sign": (_W, COMMUTES | ISLAND),
+    "sin": (_W, ISLAND),
+    "sinh": (_F, NONE),
+    "slice": (_OWN, MOVES | CAST_FIRST),
+    "sort": (_W, DECIDES | ORDERS),
+    "split": (_W, NONE),
+    "sqrt": (_W, ISLAND),
+    "square": (_W, ISLAND),
+    "squeeze": (_W, MOVES | CAST_FIRST | ISLAND | CONSTANT),
+    "stack": (_W, NONE),
+    "stop_gradient": (_OWN, PASSES | ISLAND),
+    "sub": (_W, ELEMENTWISE | CANCELS | CARRIES | ISLAND),
+    "tan": (_F, NONE),
+    "tanh": (_W, ISLAND),
+    "tile": (_W, MOVES),
+    "top_k": (_W, DECIDES | ORDERS),
+    "transpose": (_W, MOVES | CAST_FIRST | ISLAND),
+    "unstack": (_W, MOVES),
+    "xor": (_W, NONE),
+}  # fmt: skip
 
 # Primitives autocast deliberately runs in their traced dtypes, with the reason: none of them
 # has a half-precision kernel worth having, or they carry no floats.
@@ -98,43 +258,65 @@ _UNTOUCHED: dict[str, str] = {
 }  # fmt: skip
 
 
-class Kind(enum.Enum):
-    """What autocast does with a primitive (see :data:`PRIMITIVES`)."""
+# Primitives whose body the interpreter runs (interpret.INLINE_CALLS and BODY_PARAMS say how).
+_HIGHER_ORDER = (
+    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+    "custom_vjp_call_jaxpr", "remat2", "checkpoint", "scan", "while", "cond", "shard_map",
+)  # fmt: skip
+_WHY = {
+    Kind.LOWER: "matmul-like: tensor cores",
+    Kind.F32: "loses accuracy or overflows in half",
+    Kind.FOLLOW: "follows its inputs",
+    Kind.OWN_RULE: "its traits decide",
+    Kind.HIGHER_ORDER: "the interpreter runs its body",
+}
 
-    LOWER = "lower"  # runs in the policy's half dtype (tensor-core math)
-    F32 = "f32"  # runs in float32
-    FOLLOW = "follow"  # follows its inputs at O1, the policy's compute dtype at O2
-    UNTOUCHED = "untouched"  # runs in its traced dtypes, for the reason given
+
+class Op(NamedTuple):
+    """A primitive's record in :data:`PRIMITIVES`."""
+
+    kind: Kind
+    why: str  # for an untouched primitive, why autocast leaves it as traced
+    traits: Trait = Trait.NONE
 
 
-def _table(
-    groups: Iterable[tuple[Kind, Iterable[str], str]],
-) -> dict[str, tuple[Kind, str]]:
-    table: dict[str, tuple[Kind, str]] = {}
-    for kind, names, why in groups:
-        for name in names:
-            if name in table:
-                raise AssertionError(f"{name} is listed as {table[name][0]} and as {kind}")
-            table[name] = (kind, why)
+def _table(groups: Iterable[tuple[str, Op]]) -> dict[str, Op]:
+    table: dict[str, Op] = {}
+    for name, op in groups:
+        if name in table:
+            raise AssertionError(f"{name} is listed as {table[name].kind} and as {op.kind}")
+        table[name] = op
     return table
 
 
-# The one table: each primitive mpjax knows by name, its kind and, for those left untouched,
-# why. A primitive of the current JAX that is not in it is a test failure
+# The one table: a record per primitive mpjax knows by name, with its kind, its traits and,
+# for those left untouched, why. Every set of primitive names the rules use is derived from it
+# (`having`). A primitive of the current JAX that is not in it is a test failure
 # (tests/test_autocast.py), so a new JAX release cannot add one that falls out silently.
-PRIMITIVES: dict[str, tuple[Kind, str]] = _table(
+PRIMITIVES: dict[str, Op] = _table(
     [
-        (Kind.LOWER, _LOWER, "matmul-like: tensor cores"),
-        (Kind.F32, _F32, "loses accuracy or overflows in half"),
-        (Kind.FOLLOW, _FOLLOW, "follows its inputs"),
-        *((Kind.UNTOUCHED, [name], why) for name, why in _UNTOUCHED.items()),
+        *((name, Op(kind, _WHY[kind], traits)) for name, (kind, traits) in _RECORDS.items()),
+        *((name, Op(Kind.UNTOUCHED, why)) for name, why in _UNTOUCHED.items()),
+        *((name, Op(Kind.HIGHER_ORDER, _WHY[Kind.HIGHER_ORDER])) for name in _HIGHER_ORDER),
     ]
 )
-LOWER_OPS: frozenset[str] = frozenset(n for n, (k, _) in PRIMITIVES.items() if k is Kind.LOWER)
-F32_OPS: frozenset[str] = frozenset(n for n, (k, _) in PRIMITIVES.items() if k is Kind.F32)
-FOLLOW_OPS: frozenset[str] = frozenset(n for n, (k, _) in PRIMITIVES.items() if k is Kind.FOLLOW)
+
+
+def having(traits: Trait) -> frozenset[str]:
+    """The primitives with any of `traits`, e.g. ``having(Trait.MOVES | Trait.PASSES)``."""
+    return frozenset(name for name, op in PRIMITIVES.items() if op.traits & traits)
+
+
+def _of_kind(kind: Kind) -> frozenset[str]:
+    return frozenset(name for name, op in PRIMITIVES.items() if op.kind is kind)
+
+
+LOWER_OPS: frozenset[str] = _of_kind(Kind.LOWER)
+F32_OPS: frozenset[str] = _of_kind(Kind.F32)
+FOLLOW_OPS: frozenset[str] = _of_kind(Kind.FOLLOW)
+HIGHER_ORDER_OPS: frozenset[str] = _of_kind(Kind.HIGHER_ORDER)
 UNTOUCHED_OPS: dict[str, str] = {
-    n: why for n, (k, why) in PRIMITIVES.items() if k is Kind.UNTOUCHED
+    name: op.why for name, op in PRIMITIVES.items() if op.kind is Kind.UNTOUCHED
 }
 KNOWN_OPS: frozenset[str] = LOWER_OPS | F32_OPS | FOLLOW_OPS
 

@@ -24,34 +24,24 @@ import numpy as np
 from mpjax._src import jax_compat as jc
 from mpjax._src import ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype
+from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
 
 # Ops that take operands of unrelated dtypes and pass them through.
-PASS_OPS = frozenset(
-    {"device_put", "optimization_barrier", "sharding_constraint", "stop_gradient", "pvary",
-     "reshard", "mesh_cast", "name"}
-)  # fmt: skip
+PASS_OPS = ops.having(Trait.PASSES)
 # Ops that only move data: they keep their input's dtype and the first computing consumer
 # casts. Besides saving converts, this keeps backward reductions in float32: the transpose of
 # broadcasting a float32 bias is a float32 sum of the half cotangent, not a half sum.
-SHAPE_OPS = frozenset(
-    {"reshape", "broadcast_in_dim", "transpose", "squeeze", "expand_dims", "rev", "slice",
-     "dynamic_slice", "gather", "copy", "copy_p", "tile", "unstack"}
-)  # fmt: skip
+SHAPE_OPS = ops.having(Trait.MOVES)
 # Reductions whose result is one of their operand's values, exact in any float dtype.
-_EXACT_REDUCTIONS = frozenset({"reduce_max", "reduce_min"})
+_EXACT_REDUCTIONS = ops.having(Trait.EXACT)
 # Elementwise ops that broadcast size-1 dimensions implicitly.
-ELEMENTWISE = frozenset(
-    {"add", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem", "select_n", "clamp",
-     "nextafter"}
-)  # fmt: skip
+ELEMENTWISE = ops.having(Trait.ELEMENTWISE)
 # Ops whose meaning depends on the bit width: always run in their traced dtype.
-TRACED_DTYPE_OPS = frozenset({"bitcast_convert_type", "reduce_precision", "nextafter"})
+TRACED_DTYPE_OPS = ops.having(Trait.BIT_WIDTH)
 # Ops whose float operands only decide something (a bool, an index, an order): they and the
 # values feeding them keep their traced dtype, so rounding cannot flip a decision.
-DECISION_OPS = frozenset(
-    {"lt", "le", "gt", "ge", "eq", "ne", "is_finite", "argmax", "argmin", "sort", "top_k"}
-)
+DECISION_OPS = ops.having(Trait.DECIDES)
 
 
 class Hold(enum.IntEnum):
@@ -63,24 +53,17 @@ class Hold(enum.IntEnum):
 
 
 # Ops that commute with a cast down (a monotone rounding): relu(cast(x)) == cast(relu(x)).
-_CAST_COMMUTES = frozenset({"max", "min", "abs", "neg", "select_n", "clamp", "sign"})
+_CAST_COMMUTES = ops.having(Trait.COMMUTES)
 # Ops for which a constant operand is a fill or a bound: one beyond the half's range saturates.
-FILL_OPS = frozenset({"select_n", "max", "min", "clamp", "pad"})
+FILL_OPS = ops.having(Trait.FILLS)
 # Ops that combine a value that feeds a decision with the decision's result: p - floor(p)
 # cancels to the fractional part, which the half rounding of p would lose (an interpolation
 # weight rounded to a multiple of 1/8 for p up to 63 in bfloat16).
-_CANCELS = frozenset({"add", "sub", "add_any"})
+_CANCELS = ops.having(Trait.CANCELS)
 # Ops that pass a loop-carried value on, updated: y - 9e-4 * y, acc.at[i].add(v), a masked
 # step jnp.where(done, y, y_new). Run in the carry's traced dtype, the update is not lost
 # below half an ulp of the carry (an explicit Euler step in bfloat16 never moves y).
-CARRY_OPS = frozenset(
-    {"add", "sub", "add_any", "select_n", "dynamic_update_slice", "scatter", "scatter-add",
-     "scatter-sub"}
-)  # fmt: skip
-# Scatters carry their combiner as a jaxpr param; they follow the policy like other ops.
-SCATTERS = frozenset(
-    {"scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"}
-)
+CARRY_OPS = ops.having(Trait.CARRIES)
 
 
 def _narrow(dtype: Any) -> bool:
