@@ -221,6 +221,55 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
     values are unchanged; the names are dropped. `closed` itself if it has no island."""
     eqns = closed.jaxpr.eqns
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    marked = _marked(eqns, producer)
+    if not marked or closed.effects:
+        return closed
+    plan = _plan(eqns, marked)
+    regions = _regions(closed, plan, producer)
+    # The same island in every layer of a model (a norm, a softmax) is one function: JAX
+    # traces a checkpointed function once per input types and caches its derivatives by
+    # jaxpr, so differentiating a program pays for each distinct island once, not per layer
+    # (docs/guides/internals.md has the trace time this saves).
+    functions: dict[Any, Callable[..., Any]] = {}
+
+    def region_function(pos: int) -> tuple[Callable[..., Any], Any]:
+        run, ins, outs = regions[pos]
+        # The region runs under its ops' common name stack (the island's module), and each op
+        # under its own name within it. The casts at its borders that autocast made for the
+        # next op (a Dense's bfloat16 input) run under the island's name, so that the same
+        # island before different modules is still one function.
+        own = [e for e in run if not (_is_half_cast(e, up=True) or _is_half_cast(e, up=False))]
+        prefix = jc.common_name_stack([e.source_info.name_stack for e in own or run])
+        stacks = [jc.relative_name_stack(e.source_info.name_stack, prefix) for e in run]
+        key = _region_key(run, ins, outs, stacks)
+        fn = functions.get(key) if key is not None else None
+        if fn is None:
+            fn = _remat_region(run, ins, outs, stacks)
+            if key is not None:
+                functions[key] = fn
+        return fn, prefix
+
+    def evaluate(*args: Any) -> list[Any]:
+        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(closed.jaxpr.invars, args, strict=True))
+        for pos, step in enumerate(plan):
+            if pos not in regions:
+                _bind(eqns[step], env)
+                continue
+            run, ins, outs = regions[pos]
+            fn, prefix = region_function(pos)
+            stack = jc.current_name_stack() + prefix
+            with jc.user_context(run[0].source_info.traceback, name_stack=stack):
+                env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
+        return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
+
+    return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
+
+
+def _marked(eqns: list[Any], producer: dict[Any, int]) -> set[int]:
+    """The positions of the island's equations: those whose results are named ISLAND (and
+    the names), the casts up of half values autocast made for them, and the casts down where
+    the island ends."""
     marked: set[int] = set()
     for i, e in enumerate(eqns):
         if e.primitive.name == "name" and e.params.get("name") == ISLAND:
@@ -237,22 +286,15 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
         u = e.invars[0] if e.invars else None
         if _is_half_cast(e, up=False) and producer.get(u) in marked:
             marked.add(i)
-    if not marked or closed.effects:
-        return closed
-    # Constants made in the program (a mask's fill broadcast to the scores' shape): a region
-    # that reads one makes it again inside, so that it is not kept as a residual.
-    consts = set(closed.jaxpr.constvars)
-    made: set[int] = set()
-    for i, e in enumerate(eqns):
-        if e.primitive.name in _CONST_MAKERS and all(
-            isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
-        ):
-            made.add(i)
-    # The plan: equations in order, each alone or in a region (a list). A region takes marked
-    # equations; an unmarked one between them that reads none of the region's values (a
-    # reshape of a norm's scale) moves before it, one that does (a running average of a
-    # batch statistic) moves after it, unless a later marked one reads it: the region ends
-    # there. So one island is one region.
+    return marked
+
+
+def _plan(eqns: list[Any], marked: set[int]) -> list[Any]:
+    """The equations in order, each alone (its position) or in a region (a list). A region
+    takes marked equations; an unmarked one between them that reads none of the region's
+    values (a reshape of a norm's scale) moves before it, one that does (a running average of
+    a batch statistic) moves after it, unless a later marked one reads it: the region ends
+    there. So one island is one region."""
     plan: list[Any] = []
     i = 0
     while i < len(eqns):
@@ -288,6 +330,24 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
         plan.append(region)
         plan += [j for j in range(i, k) if j not in done]
         i = k
+    return plan
+
+
+def _regions(
+    closed: Any, plan: list[Any], producer: dict[Any, int]
+) -> dict[int, tuple[list[Any], list[Any], list[Any]]]:
+    """Each region's equations (the constants it makes again first), inputs and outputs, by
+    its position in `plan`."""
+    eqns = closed.jaxpr.eqns
+    # Constants made in the program (a mask's fill broadcast to the scores' shape): a region
+    # that reads one makes it again inside, so that it is not kept as a residual.
+    consts = set(closed.jaxpr.constvars)
+    made: set[int] = set()
+    for i, e in enumerate(eqns):
+        if e.primitive.name in _CONST_MAKERS and all(
+            isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
+        ):
+            made.add(i)
     last_use: dict[Any, int] = {}  # by position in the plan
     for pos, step in enumerate(plan):
         for k in step if isinstance(step, list) else [step]:
@@ -297,8 +357,6 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
     for v in closed.jaxpr.outvars:
         if not isinstance(v, jc.Literal):
             last_use[v] = len(plan)
-
-    # Each region's equations (the constants it makes again first), inputs and outputs.
     regions: dict[int, tuple[list[Any], list[Any], list[Any]]] = {}
     for pos, step in enumerate(plan):
         if not isinstance(step, list):
@@ -323,115 +381,82 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
         )
         outs = [v for k in step for v in eqns[k].outvars if last_use.get(v, -1) > pos]
         regions[pos] = (run, ins, outs)
+    return regions
 
-    def bind(eqn: Any, env: dict[Any, Any], name_stack: Any = None) -> None:
-        vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
-        if eqn.primitive.name == "name" and eqn.params.get("name") == ISLAND:
-            env[eqn.outvars[0]] = vals[0]
-            return
-        own = eqn.source_info.name_stack if name_stack is None else name_stack
-        stack = jc.current_name_stack() + own
-        with jc.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
-            out = jc.bind(eqn.primitive, vals, eqn.params)
-        outs = out if eqn.primitive.multiple_results else [out]
-        env.update(zip(eqn.outvars, outs, strict=True))
 
-    def remat_region(
-        run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]
-    ) -> Callable[..., Any]:
-        kept = _statistics(run)
+def _bind(eqn: Any, env: dict[Any, Any], name_stack: Any = None) -> None:
+    """Binds `eqn` on the values of `env` under its own name stack (or `name_stack`), into
+    `env`; an ISLAND name passes its value through (the names are dropped)."""
+    vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
+    if eqn.primitive.name == "name" and eqn.params.get("name") == ISLAND:
+        env[eqn.outvars[0]] = vals[0]
+        return
+    own = eqn.source_info.name_stack if name_stack is None else name_stack
+    stack = jc.current_name_stack() + own
+    with jc.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
+        out = jc.bind(eqn.primitive, vals, eqn.params)
+    outs = out if eqn.primitive.multiple_results else [out]
+    env.update(zip(eqn.outvars, outs, strict=True))
 
-        def f(*vals: Any) -> list[Any]:
-            env = dict(zip(ins, vals, strict=True))
-            for eqn, stack in zip(run, stacks, strict=True):
-                bind(eqn, env, stack)
-                if eqn.outvars and eqn.outvars[0] in kept:
-                    env[eqn.outvars[0]] = checkpoint_name(env[eqn.outvars[0]], STATISTIC)
-            return [env[v] for v in outs]
 
-        soft = _softmax(run, ins, outs)
-        if soft is not None:
-            return _softmax_region(f, run, ins, stacks, soft)
-        # No optimization barrier on the recompute's inputs (prevent_cse): one would make XLA
-        # write the cotangent entering the island (a float32 [N, H, W, C] for a BatchNorm
-        # after a ReLU) instead of fusing it into the island's backward reductions.
-        return jax.checkpoint(f, policy=SAVE_STATISTICS, prevent_cse=False)
+def _remat_region(
+    run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]
+) -> Callable[..., Any]:
+    """The function of a region's inputs that computes its outputs, recomputed by the
+    backward pass but for its statistics (a softmax: see _softmax_region)."""
+    kept = _statistics(run)
 
-    def _softmax_region(
-        f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: _Softmax
-    ) -> Callable[..., Any]:
-        """`f`, a softmax region (see _softmax), differentiated from its half output, as the
-        hand-written half softmax is (jax.nn.softmax's own rule), instead of recomputing the
-        float32 island: ``dy = y * (dz - sum(dz * y))`` in float32, with ``dz`` the tangent of
-        `z` through the affine ops from the inputs (a cast up, a mask). A ``custom_jvp``, so
-        forward mode works too; its tangent is linear, so JAX transposes it for reverse mode,
-        keeping only the half output (see _softmax_tangent)."""
-        z, axes, diff, prefix = soft
-        stack_of = {id(e): st for e, st in zip(run, stacks, strict=True)}
-        reads = _reads(prefix, z)
-        at = [ins.index(v) for v in diff]
-        kept = [i for i, v in enumerate(ins) if v in reads and i not in at]
+    def f(*vals: Any) -> list[Any]:
+        env = dict(zip(ins, vals, strict=True))
+        for eqn, stack in zip(run, stacks, strict=True):
+            _bind(eqn, env, stack)
+            if eqn.outvars and eqn.outvars[0] in kept:
+                env[eqn.outvars[0]] = checkpoint_name(env[eqn.outvars[0]], STATISTIC)
+        return [env[v] for v in outs]
 
-        def to_z(diff_vals: Any, kept_vals: Any) -> Any:
-            env = dict(zip([ins[i] for i in at], diff_vals, strict=True))
-            env.update(zip([ins[i] for i in kept], kept_vals, strict=True))
-            for e in prefix:
-                bind(e, env, stack_of[id(e)])
-            return env[z]
+    soft = _softmax(run, ins, outs)
+    if soft is not None:
+        return _softmax_region(f, run, ins, stacks, soft)
+    # No optimization barrier on the recompute's inputs (prevent_cse): one would make XLA
+    # write the cotangent entering the island (a float32 [N, H, W, C] for a BatchNorm after a
+    # ReLU) instead of fusing it into the island's backward reductions.
+    return jax.checkpoint(f, policy=SAVE_STATISTICS, prevent_cse=False)
 
-        @jax.custom_jvp
-        def region(*vals: Any) -> list[Any]:
-            return f(*vals)
 
-        def region_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
-            out = f(*primals)
-            kept_vals = [primals[i] for i in kept]
-            dy = _softmax_tangent(
-                lambda t: to_z(t, kept_vals), out[0], [tangents[i] for i in at], axes
-            )
-            return out, [dy]
+def _softmax_region(
+    f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: _Softmax
+) -> Callable[..., Any]:
+    """`f`, a softmax region (see _softmax), differentiated from its half output, as the
+    hand-written half softmax is (jax.nn.softmax's own rule), instead of recomputing the
+    float32 island: ``dy = y * (dz - sum(dz * y))`` in float32, with ``dz`` the tangent of `z`
+    through the affine ops from the inputs (a cast up, a mask). A ``custom_jvp``, so forward
+    mode works too; its tangent is linear, so JAX transposes it for reverse mode, keeping only
+    the half output (see _softmax_tangent)."""
+    z, axes, diff, prefix = soft
+    stack_of = {id(e): st for e, st in zip(run, stacks, strict=True)}
+    reads = _reads(prefix, z)
+    at = [ins.index(v) for v in diff]
+    kept = [i for i, v in enumerate(ins) if v in reads and i not in at]
 
-        region.defjvp(region_jvp)
-        return region
+    def to_z(diff_vals: Any, kept_vals: Any) -> Any:
+        env = dict(zip([ins[i] for i in at], diff_vals, strict=True))
+        env.update(zip([ins[i] for i in kept], kept_vals, strict=True))
+        for e in prefix:
+            _bind(e, env, stack_of[id(e)])
+        return env[z]
 
-    # The same island in every layer of a model (a norm, a softmax) is one function: JAX
-    # traces a checkpointed function once per input types and caches its derivatives by
-    # jaxpr, so differentiating a program pays for each distinct island once, not per layer
-    # (docs/guides/internals.md has the trace time this saves).
-    functions: dict[Any, Callable[..., Any]] = {}
+    @jax.custom_jvp
+    def region(*vals: Any) -> list[Any]:
+        return f(*vals)
 
-    def region_function(pos: int) -> tuple[Callable[..., Any], Any]:
-        run, ins, outs = regions[pos]
-        # The region runs under its ops' common name stack (the island's module), and each op
-        # under its own name within it. The casts at its borders that autocast made for the
-        # next op (a Dense's bfloat16 input) run under the island's name, so that the same
-        # island before different modules is still one function.
-        own = [e for e in run if not (_is_half_cast(e, up=True) or _is_half_cast(e, up=False))]
-        prefix = jc.common_name_stack([e.source_info.name_stack for e in own or run])
-        stacks = [jc.relative_name_stack(e.source_info.name_stack, prefix) for e in run]
-        key = _region_key(run, ins, outs, stacks)
-        fn = functions.get(key) if key is not None else None
-        if fn is None:
-            fn = remat_region(run, ins, outs, stacks)
-            if key is not None:
-                functions[key] = fn
-        return fn, prefix
+    def region_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+        out = f(*primals)
+        kept_vals = [primals[i] for i in kept]
+        dy = _softmax_tangent(lambda t: to_z(t, kept_vals), out[0], [tangents[i] for i in at], axes)
+        return out, [dy]
 
-    def evaluate(*args: Any) -> list[Any]:
-        env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(closed.jaxpr.invars, args, strict=True))
-        for pos, step in enumerate(plan):
-            if pos not in regions:
-                bind(eqns[step], env)
-                continue
-            run, ins, outs = regions[pos]
-            fn, prefix = region_function(pos)
-            stack = jc.current_name_stack() + prefix
-            with jc.user_context(run[0].source_info.traceback, name_stack=stack):
-                env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
-        return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
-
-    return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
+    region.defjvp(region_jvp)
+    return region
 
 
 def _softmax_tangent(
