@@ -210,22 +210,8 @@ def target_dtype(
         return Decision(Action.UNTOUCHED)  # unknown primitive: never wrong, only slower
     traced = [np.dtype(eqn.invars[i].aval.dtype) for i in fin]
     full = _widest([*traced, np.dtype(np.float32)])
-    if mode == "f32":
-        # Statistics made in the region (f32-list results and what is computed only from
-        # them) stay held when they leave it. With bfloat16 (float32's range) its activations
-        # (a norm's output) do not: at O2 the next bulk op runs in half and saves its
-        # residuals in half, as apex's float32 BatchNorm hands half outputs on. float16's
-        # range ends at 65504, so there they stay float32 until bulk math casts them down
-        # (gelu's x**3 of a LayerNorm output of 50 overflows it).
-        dyn = [i for i in fin if not static[i]]
-        if name in ops.F32_OPS | base.f32_ops:
-            return Decision(Action.CAST, full, Hold.STAT)
-        if dyn and all(held[i] for i in dyn):
-            return Decision(Action.CAST, full, Hold(min(held[i] for i in dyn)))
-        narrow = _narrow(np.dtype(base.compute_dtype))
-        return Decision(Action.CAST, full, Hold.GUARD if narrow else Hold.NONE)
-    if mode == "half":
-        return Decision(Action.CAST, np.dtype(base.compute_dtype))
+    if mode == "f32" or mode == "half":
+        return _region_decision(name, mode, base, full, [(held[i], static[i]) for i in fin])
     policy: Policy = mode
     if policy.level == "O0" or not policy.half:
         return Decision(Action.CAST, full)
@@ -233,29 +219,19 @@ def target_dtype(
         return Decision(Action.TRACED)  # constants, index arithmetic, random numbers: as traced
     fouts = [v for v in eqn.outvars if is_float_dtype(v.aval.dtype)]
     lower, f32 = op_lists(policy)
-    decides = name in DECISION_OPS or not fouts or any(f.decides for f in out_flags)
-    if name not in lower and (decides or all(not v.aval.shape for v in fouts)):
-        # decisions and scalar bookkeeping (tensor math follows the policy)
-        return Decision(Action.TRACED)
-    if name in CARRY_OPS and carried is not None and any(carried[i] for i in fin):
-        # The loop's state updated by a small step keeps the dtype it entered the loop with.
-        return Decision(Action.CAST, _widest(traced))
     strong_in = [
         i
         for i in fin
         if not isinstance(eqn.invars[i], jc.Literal) and not eqn.invars[i].aval.weak_type
     ]
-    if name not in lower and strong_in and all(index[i] or static[i] for i in strong_in):
-        # index arithmetic: y - floor(y) for sampling coordinates
-        return Decision(Action.TRACED)
-    if (
-        name in _CANCELS
-        and feeds is not None
-        and any(index[i] and not static[i] for i in strong_in)
-        and all(index[i] or static[i] or feeds[i] for i in strong_in)
-    ):
-        # a coordinate minus its own floor: p - floor(p).astype(int)
-        return Decision(Action.TRACED)
+    as_traced = _as_traced(
+        name, name in lower, fouts, out_flags, traced, strong_in,
+        [(index[i], static[i], carried is not None and carried[i],
+          feeds is not None and feeds[i]) for i in range(len(eqn.invars))],
+        carried is not None, feeds is not None, fin,
+    )  # fmt: skip
+    if as_traced is not None:
+        return as_traced
     if name in f32 or (name not in lower and fouts and all(f.f32_only for f in out_flags)):
         # f32-list ops and the elementwise producers feeding only them
         return Decision(Action.CAST, full, Hold.STAT)
@@ -274,29 +250,98 @@ def target_dtype(
             )
             for i in fin
         ]
-        if policy.level == "O1" and bias_add:
-            # A matmul's bias is part of it, as in torch's nn.Linear and F.conv under autocast:
-            # the half result stays half, instead of promoting every activation to float32.
-            target, hold = np.dtype(policy.compute_dtype), Hold.NONE
-        elif policy.level == "O1":
-            strong = [f for f in floats if not f.weak] or floats
-            target, hold = _widest([f.dtype for f in strong]), Hold.NONE
-        else:
-            strong = [f for f in floats if not f.weak and not f.static]
-            kinds = [f.held for f in strong]
-            if any(kinds) and name in _CAST_COMMUTES and Hold.STAT not in kinds:
-                # relu of a float32 norm's output: the same as relu of its half cast, so it
-                # runs in half and saves half residuals.
-                target, hold = np.dtype(policy.compute_dtype), Hold.NONE
-            elif any(kinds):
-                # An f32 result meeting half values: the op runs in float32, so a sum of
-                # squares plus an epsilon is not cast down before it divides.
-                target, hold = full, min(kinds) if all(kinds) else Hold.NONE
-            else:
-                target, hold = np.dtype(policy.compute_dtype), Hold.NONE
+        target, hold = _follow_target(name, policy, floats, full, bias_add)
     explicit = _explicit_half(eqn, fin, policy)
     if explicit is not None and np.dtype(target).itemsize < 4:
         target = explicit
+    return _keeping_constants(name, target, hold, full, known)
+
+
+def _region_decision(
+    name: str, mode: str, base: Policy, full: Any, operands: list[tuple[int, bool]]
+) -> Decision:
+    """target_dtype inside a float32 region (`mode` "f32") or a half one ("half");
+    `operands` are the float operands' (held, static)."""
+    if mode == "half":
+        return Decision(Action.CAST, np.dtype(base.compute_dtype))
+    # Statistics made in the region (f32-list results and what is computed only from them)
+    # stay held when they leave it. With bfloat16 (float32's range) its activations (a norm's
+    # output) do not: at O2 the next bulk op runs in half and saves its residuals in half, as
+    # apex's float32 BatchNorm hands half outputs on. float16's range ends at 65504, so there
+    # they stay float32 until bulk math casts them down (gelu's x**3 of a LayerNorm output of
+    # 50 overflows it).
+    dyn = [h for h, is_static in operands if not is_static]
+    if name in ops.F32_OPS | base.f32_ops:
+        return Decision(Action.CAST, full, Hold.STAT)
+    if dyn and all(dyn):
+        return Decision(Action.CAST, full, Hold(min(dyn)))
+    narrow = _narrow(np.dtype(base.compute_dtype))
+    return Decision(Action.CAST, full, Hold.GUARD if narrow else Hold.NONE)
+
+
+def _as_traced(
+    name: str,
+    is_lower: bool,
+    fouts: list[Any],
+    out_flags: list[Flags],
+    traced: list[Any],
+    strong_in: list[int],
+    uses: list[tuple[bool, bool, bool, bool]],
+    has_carried: bool,
+    has_feeds: bool,
+    fin: list[int],
+) -> Decision | None:
+    """The decision for an op that runs in its traced dtype (decisions, bookkeeping, index
+    arithmetic) or its loop carry's, else None. `uses` are each operand's (index, static,
+    carried, feeds)."""
+    index = [u[0] for u in uses]
+    static = [u[1] for u in uses]
+    decides = name in DECISION_OPS or not fouts or any(f.decides for f in out_flags)
+    if not is_lower and (decides or all(not v.aval.shape for v in fouts)):
+        # decisions and scalar bookkeeping (tensor math follows the policy)
+        return Decision(Action.TRACED)
+    if name in CARRY_OPS and has_carried and any(uses[i][2] for i in fin):
+        # The loop's state updated by a small step keeps the dtype it entered the loop with.
+        return Decision(Action.CAST, _widest(traced))
+    if not is_lower and strong_in and all(index[i] or static[i] for i in strong_in):
+        # index arithmetic: y - floor(y) for sampling coordinates
+        return Decision(Action.TRACED)
+    if (
+        name in _CANCELS
+        and has_feeds
+        and any(index[i] and not static[i] for i in strong_in)
+        and all(index[i] or static[i] or uses[i][3] for i in strong_in)
+    ):
+        # a coordinate minus its own floor: p - floor(p).astype(int)
+        return Decision(Action.TRACED)
+    return None
+
+
+def _follow_target(
+    name: str, policy: Policy, floats: list[_Operand], full: Any, bias_add: bool
+) -> tuple[Any, int]:
+    """(dtype, hold) of an op that follows its inputs (not on an op list), by level."""
+    if policy.level == "O1" and bias_add:
+        # A matmul's bias is part of it, as in torch's nn.Linear and F.conv under autocast:
+        # the half result stays half, instead of promoting every activation to float32.
+        return np.dtype(policy.compute_dtype), Hold.NONE
+    if policy.level == "O1":
+        strong = [f for f in floats if not f.weak] or floats
+        return _widest([f.dtype for f in strong]), Hold.NONE
+    kinds = [f.held for f in floats if not f.weak and not f.static]
+    if any(kinds) and name in _CAST_COMMUTES and Hold.STAT not in kinds:
+        # relu of a float32 norm's output: the same as relu of its half cast, so it runs in
+        # half and saves half residuals.
+        return np.dtype(policy.compute_dtype), Hold.NONE
+    if any(kinds):
+        # An f32 result meeting half values: the op runs in float32, so a sum of squares plus
+        # an epsilon is not cast down before it divides.
+        return full, min(kinds) if all(kinds) else Hold.NONE
+    return np.dtype(policy.compute_dtype), Hold.NONE
+
+
+def _keeping_constants(name: str, target: Any, hold: int, full: Any, known: list[Any]) -> Decision:
+    """CAST to `target`, unless a constant operand (`known`) cannot keep its meaning in it."""
     if np.dtype(target).itemsize < 4:
         bad = [k for k in known if k is not None and _changes_meaning(k, target)]
         if bad and name in FILL_OPS and not any(_underflows(k, target) for k in bad):
