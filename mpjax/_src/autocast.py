@@ -961,65 +961,15 @@ def _primitive_rule(
     if name in FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
         invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
-    known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
-    index = [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars]
-    out_flags = [facts.flags(v) for v in eqn.outvars]
-    decision = _target_dtype(
-        name,
-        eqn,
-        vals,
-        mode,
-        ctx.policy,
-        held,
-        static,
-        index,
-        known,
-        out_flags,
-        bias_add=name == "add" and env.is_bias_add(eqn),
-        feeds=[facts.flags(v).decides or facts.flags(env.source(v)).decides for v in eqn.invars],
-        carried=carried,
-    )
-    target, hold = decision.dtype, decision.hold
+    decision = _decide(ctx, eqn, vals, env, facts, mode, (static, held, carried))
     if decision.action is Action.TRACED or (
         name == "convert_element_type" and not is_float_dtype(eqn.invars[0].aval.dtype)
     ):
         env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
-    # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
-    # grouped-query attention's repeated keys) run in float32 at O1/O2: no gradient leaves the
-    # device for them. Those of float32 values cast to half (a bias, a positional table, an
-    # embedding row) are the gradients' own sums: they run in the policy's reduce dtype.
-    wide_sums = isinstance(mode, Policy) and mode.level in ("O1", "O2") and mode.half
-    wide_grads = (
-        not IN_RULE.get()
-        and isinstance(mode, Policy)
-        and mode.half
-        and mode.level != "O0"
-        and mode.gradient_dtype.itemsize >= 4
-    )
-    param = bool(eqn.invars) and env.is_param(eqn.invars[0])
-    keep = decision.action is Action.KEEP
-    if keep and (wide_sums or (wide_grads and param)) and _grows_half(eqn, invals):
-        # A broadcast that grows a half value: its transpose sums the cotangent over the new
-        # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
-        # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
-        x = jc.convert(invals[0], np.float32)
-        out = jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
-    elif keep:
-        out = jc.bind(eqn.primitive, invals, eqn.params)
-        if name in _MOVES and isinstance(mode, Policy) and mode.half and mode.level != "O0":
-            half = np.dtype(mode.compute_dtype)
-            env.move(eqn, invals, half, wide_grads)
-            # A lookup in a param table at O2/O3, where params are half (apex casts the
-            # model): the rows are looked up in half even where a float32 op (a norm) takes
-            # them, so the lookup, and the collectives on it, move half bytes. Rows a
-            # comparison reads (a decision) keep float32.
-            decides = facts.flags(eqn.outvars[0]).decides
-            if name == "gather" and mode.level in ("O2", "O3") and param and not decides:
-                twin = env.twins.get((eqn.outvars[0], half))
-                if twin is not None:
-                    # Rows of half values, cast up: a float32 island starts here (a norm).
-                    env.island.add(eqn.outvars[0])
-                    out = checkpoint_name(jc.convert(twin, out.dtype), ISLAND)
+    wide = _WideSums.of(mode)
+    hold = decision.hold
+    if decision.action is Action.KEEP:
+        out = _keep(eqn, invals, env, facts, mode, wide)
     elif decision.action is Action.UNTOUCHED:
         out = _bind_untouched(eqn, invals)
     elif decision.action is Action.TRACED:
@@ -1031,50 +981,140 @@ def _primitive_rule(
         out = jc.bind(eqn.primitive, invals, eqn.params)
         hold = Hold.NONE
     else:
-        out_shape = tuple(eqn.outvars[0].aval.shape) if name in ELEMENTWISE else None
-        sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
-        cast_vals = [
-            env.cast(
-                v,
-                x,
-                target,
-                out_shape if out_shape is not None else tuple(x.shape),
-                wide_grads
-                if x.dtype == np.float32
-                else wide_sums or (wide_grads and env.is_param(v)),
-                sharding,
-            )
-            if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
-            else raw
-            for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
-        ]
-        params = _fix_params(eqn, target)
-        wide = [
-            wide_grads
-            and name == "dot_general"
-            and np.dtype(target).itemsize < 4
-            and is_float_dtype(getattr(x, "dtype", np.int32))
-            and not env.is_static(v)
-            and env.is_param(v)
-            for x, v in zip(vals, eqn.invars, strict=True)
-        ]
-        if any(wide) and params.get("preferred_element_type") in (None, np.dtype(target)):
-            # The policy reduces gradients in float32: the matmul runs in half, and the
-            # gradient of its float32 operand that is an input of the program (a weight, moved
-            # by reshapes at most) comes out of a half matmul that writes float32, so its sum
-            # over the batch, and the all-reduce a partitioner puts on it, are float32.
-            operands = [x if w else c for x, c, w in zip(vals, cast_vals, wide, strict=True)]
-            avals = tuple(jc.aval_of(x) for x in operands)
-            out = _dot_wide_grads(params, np.dtype(target), tuple(wide), avals)(*operands)
-        else:
-            out = jc.bind(eqn.primitive, cast_vals, params)
-        if params.get("preferred_element_type") not in (None, np.dtype(target)):
-            hold = Hold.STAT  # a float32 result the program asked for stays float32, as a statistic
-        elif name in op_lists(mode)[0]:
-            env.lowered.update(eqn.outvars)
+        out, hold = _cast_and_bind(eqn, vals, invals, env, mode, decision, wide)
     if name == "broadcast_in_dim" and n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
         env.spread.update(eqn.outvars)
     return _results(eqn, out, hold)
+
+
+def _decide(
+    ctx: Context, eqn: Any, vals: list[Any], env: _Env, facts: Facts, mode: Any, operands: Any
+) -> Any:
+    """rules.target_dtype's decision for `eqn`, from what `env` and `facts` know of its
+    operands (`operands`: their static, held and carried facts) and results."""
+    static, held, carried = operands
+    name = eqn.primitive.name
+    return _target_dtype(
+        name,
+        eqn,
+        vals,
+        mode,
+        ctx.policy,
+        held,
+        static,
+        [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars],
+        [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)],
+        [facts.flags(v) for v in eqn.outvars],
+        bias_add=name == "add" and env.is_bias_add(eqn),
+        feeds=[facts.flags(v).decides or facts.flags(env.source(v)).decides for v in eqn.invars],
+        carried=carried,
+    )
+
+
+class _WideSums(NamedTuple):
+    """Which backward sums a policy runs in float32 (see _primitive_rule)."""
+
+    # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
+    # grouped-query attention's repeated keys) run in float32 at O1/O2: no gradient leaves
+    # the device for them.
+    sums: bool
+    # Those of float32 values cast to half (a bias, a positional table, an embedding row) are
+    # the gradients' own sums: they run in the policy's reduce dtype.
+    grads: bool
+
+    @classmethod
+    def of(cls, mode: Any) -> _WideSums:
+        policy = mode if isinstance(mode, Policy) else None
+        sums = policy is not None and policy.level in ("O1", "O2") and policy.half
+        grads = (
+            not IN_RULE.get()
+            and policy is not None
+            and policy.half
+            and policy.level != "O0"
+            and policy.gradient_dtype.itemsize >= 4
+        )
+        return cls(sums, grads)
+
+
+def _keep(eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, wide: _WideSums) -> Any:
+    """`eqn` (data movement) on its operands as they are, in their dtypes."""
+    name = eqn.primitive.name
+    param = bool(eqn.invars) and env.is_param(eqn.invars[0])
+    if (wide.sums or (wide.grads and param)) and _grows_half(eqn, invals):
+        # A broadcast that grows a half value: its transpose sums the cotangent over the new
+        # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
+        # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
+        x = jc.convert(invals[0], np.float32)
+        return jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
+    out = jc.bind(eqn.primitive, invals, eqn.params)
+    if name in _MOVES and isinstance(mode, Policy) and mode.half and mode.level != "O0":
+        half = np.dtype(mode.compute_dtype)
+        env.move(eqn, invals, half, wide.grads)
+        # A lookup in a param table at O2/O3, where params are half (apex casts the model):
+        # the rows are looked up in half even where a float32 op (a norm) takes them, so the
+        # lookup, and the collectives on it, move half bytes. Rows a comparison reads (a
+        # decision) keep float32.
+        decides = facts.flags(eqn.outvars[0]).decides
+        if name == "gather" and mode.level in ("O2", "O3") and param and not decides:
+            twin = env.twins.get((eqn.outvars[0], half))
+            if twin is not None:
+                # Rows of half values, cast up: a float32 island starts here (a norm).
+                env.island.add(eqn.outvars[0])
+                out = checkpoint_name(jc.convert(twin, out.dtype), ISLAND)
+    return out
+
+
+def _cast_and_bind(
+    eqn: Any,
+    vals: list[Any],
+    invals: list[Any],
+    env: _Env,
+    mode: Any,
+    decision: Any,
+    wide: _WideSums,
+) -> tuple[Any, int]:
+    """`eqn` on its float operands cast to the decision's dtype: (its results, their hold)."""
+    name, target, hold = eqn.primitive.name, decision.dtype, decision.hold
+    out_shape = tuple(eqn.outvars[0].aval.shape) if name in ELEMENTWISE else None
+    sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
+    cast_vals = [
+        env.cast(
+            v,
+            x,
+            target,
+            out_shape if out_shape is not None else tuple(x.shape),
+            wide.grads if x.dtype == np.float32 else wide.sums or (wide.grads and env.is_param(v)),
+            sharding,
+        )
+        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
+        else raw
+        for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
+    ]
+    params = _fix_params(eqn, target)
+    wide_dot = [
+        wide.grads
+        and name == "dot_general"
+        and np.dtype(target).itemsize < 4
+        and is_float_dtype(getattr(x, "dtype", np.int32))
+        and not env.is_static(v)
+        and env.is_param(v)
+        for x, v in zip(vals, eqn.invars, strict=True)
+    ]
+    if any(wide_dot) and params.get("preferred_element_type") in (None, np.dtype(target)):
+        # The policy reduces gradients in float32: the matmul runs in half, and the gradient
+        # of its float32 operand that is an input of the program (a weight, moved by reshapes
+        # at most) comes out of a half matmul that writes float32, so its sum over the batch,
+        # and the all-reduce a partitioner puts on it, are float32.
+        operands = [x if w else c for x, c, w in zip(vals, cast_vals, wide_dot, strict=True)]
+        avals = tuple(jc.aval_of(x) for x in operands)
+        out = _dot_wide_grads(params, np.dtype(target), tuple(wide_dot), avals)(*operands)
+    else:
+        out = jc.bind(eqn.primitive, cast_vals, params)
+    if params.get("preferred_element_type") not in (None, np.dtype(target)):
+        hold = Hold.STAT  # a float32 result the program asked for stays float32, as a statistic
+    elif name in op_lists(mode)[0]:
+        env.lowered.update(eqn.outvars)
+    return out, hold
 
 
 # Data movement: a cast commutes with it, so it can run on the half cast (see _Env.move).
