@@ -4,12 +4,9 @@ core."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mpjax._src import interpret
-
-if TYPE_CHECKING:
-    from mpjax._src.autocast import Context
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.policy import Policy
@@ -18,6 +15,15 @@ from mpjax._src.rules import (  # the dtype rules; this module is the machinery 
     Flags,
     use_flags,
 )
+
+
+class UseContext(Protocol):
+    """What the use analysis needs of autocast's evaluation context (autocast.Context): a memo
+    of its results per sub-jaxpr, and the mode a name stack's region markers select."""
+
+    memo: dict[Any, Any]
+
+    def mode_for(self, inherited: Any, name_stack: str) -> Any: ...
 
 
 class Facts:
@@ -30,7 +36,7 @@ class Facts:
         return Flags(v in self.decision, v in self.f32only)
 
 
-def analyze(ctx: Context, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any) -> Facts:
+def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any) -> Facts:
     key = (id(jaxpr), out_flags, id(mode) if isinstance(mode, Policy) else mode)
     if key in ctx.memo:
         return ctx.memo[key][1]
@@ -86,13 +92,13 @@ _USES = interpret.Rules(
 
 @_USES.set_higher_order
 @_USES.register(*interpret.REMATS, "shard_map")
-def _opaque_uses(ctx: Context, eqn: Any, *_: Any) -> list[Flags]:
+def _opaque_uses(ctx: UseContext, eqn: Any, *_: Any) -> list[Flags]:
     return [NO_USE] * len(eqn.invars)
 
 
 @_USES.register(*interpret.INLINE_CALLS, *interpret.CUSTOM_CALLS)
 def _call_uses(
-    ctx: Context, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Flags]:
     out_flags = tuple(flags_of(v) for v in eqn.outvars)
     inner = interpret.call_body(eqn)
@@ -101,7 +107,7 @@ def _call_uses(
 
 @_USES.register("while")
 def _while_uses(
-    ctx: Context, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Flags]:
     cf, bf, decided = while_facts(ctx, eqn, mode)
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)
@@ -111,7 +117,7 @@ def _while_uses(
 
 @_USES.register("scan")
 def _scan_uses(
-    ctx: Context, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Flags]:
     body = eqn.params["jaxpr"]
     bf = analyze(ctx, body.jaxpr, (NO_USE,) * len(body.jaxpr.outvars), mode).in_flags
@@ -120,7 +126,7 @@ def _scan_uses(
 
 @_USES.register("cond")
 def _cond_uses(
-    ctx: Context, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Flags]:
     branch_flags = [
         analyze(ctx, b.jaxpr, (NO_USE,) * len(b.jaxpr.outvars), mode).in_flags
@@ -131,7 +137,7 @@ def _cond_uses(
     return [NO_USE] + [Flags(d, False) for d in decides]
 
 
-def while_facts(ctx: Context, eqn: Any, mode: Any) -> tuple[Any, Any, frozenset[int]]:
+def while_facts(ctx: UseContext, eqn: Any, mode: Any) -> tuple[Any, Any, frozenset[int]]:
     """The carries a while loop's condition depends on (through any number of iterations)."""
     cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)

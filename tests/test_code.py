@@ -1,0 +1,68 @@
+"""The code's shape, checked from its source: mpjax's modules import each other without a
+circle (type-only imports included)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "mpjax"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The mpjax modules `path` imports anywhere in it (a function's lazy import and one
+    under ``TYPE_CHECKING`` count: each is a dependency a reader has to follow)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mpjax"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in modules)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph`, or None."""
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return path[path.index(w) :] + [w]
+            if w not in state and (found := visit(w)) is not None:
+                return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)) is not None:
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_module_of_mpjax_imports_one_that_imports_it_back():
+    modules = _modules()
+    assert "mpjax._src.autocast" in modules and "mpjax._src.autocast_uses" in modules
+    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    assert "mpjax._src.rules" in graph["mpjax._src.autocast"]  # the reading works
+    assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph) or [])}"
