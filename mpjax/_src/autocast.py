@@ -39,6 +39,7 @@ from mpjax._src.rules import (  # the dtype rules; this module is the machinery 
     Action,
     Flags,
     Hold,
+    Operand,
     beyond,
     n_elements,
     op_lists,
@@ -179,6 +180,16 @@ class Marks(NamedTuple):
     twins: dict[np.dtype, Any]
     in_island: bool = False
     is_param: bool | None = None
+
+
+class InputFacts(NamedTuple):
+    """What a caller knows of one input of a jaxpr it evaluates (see _eval_jaxpr)."""
+
+    static: bool | None = None  # computed without float inputs; None: unless it is a float
+    held: int = Hold.NONE  # whether, and why, it is held in float32
+    known: Any = None  # its value when known at trace time and small
+    inert: bool | None = None  # no derivative flows through it; None: where it is static
+    marks: Marks | None = None  # its marks (see Marks), where the caller has them
 
 
 class _Env:
@@ -462,18 +473,14 @@ def _eval_jaxpr(
     args: list[Any],
     mode: Any,
     *,
-    in_static: list[bool] | None = None,
-    in_held: list[int] | None = None,
-    in_known: list[Any] | None = None,
-    in_inert: list[bool] | None = None,
-    in_marks: list[Marks] | None = None,
+    inputs: Sequence[InputFacts] | None = None,
     out_flags: tuple[Flags, ...] | None = None,
     traceback: Any = None,
 ) -> tuple[list[Any], list[int], list[Marks]]:
     """Evaluates `jaxpr` under the policy; returns its outputs, which are held in float32, and
     and their marks (see _Env.marks).
 
-    `in_marks` are the inputs' marks, as the caller knows them.
+    `inputs` are what the caller knows of the inputs (see InputFacts); None: nothing.
 
     `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
     a cached trace made elsewhere.
@@ -494,23 +501,24 @@ def _eval_jaxpr(
                 env.known[v] = np.asarray(x)
     # An inlined call's inputs are params where the caller's operands are (a jitted loss's
     # logits are an activation, not a param table), the jaxpr's own inputs otherwise.
+    known_of = inputs if inputs is not None else [InputFacts()] * len(jaxpr.invars)
     env.args.update(
         v
-        for i, v in enumerate(jaxpr.invars)
-        if in_marks is None or in_marks[i].is_param is not False
+        for v, f in zip(jaxpr.invars, known_of, strict=True)
+        if f.marks is None or f.marks.is_param is not False
     )
-    for i, (v, x) in enumerate(zip(jaxpr.invars, args, strict=True)):
+    for v, x, f in zip(jaxpr.invars, args, known_of, strict=True):
         env.vals[v] = x
-        if in_static[i] if in_static is not None else not is_float_dtype(v.aval.dtype):
+        if f.static if f.static is not None else not is_float_dtype(v.aval.dtype):
             env.static.add(v)
-        if in_held is not None and in_held[i]:
-            env.held[v] = in_held[i]
-        if in_known is not None and in_known[i] is not None:
-            env.known[v] = in_known[i]
-        if in_inert[i] if in_inert is not None else v in env.static:
+        if f.held:
+            env.held[v] = f.held
+        if f.known is not None:
+            env.known[v] = f.known
+        if f.inert if f.inert is not None else v in env.static:
             env.inert.add(v)
-        if in_marks is not None:
-            env.mark(v, in_marks[i])
+        if f.marks is not None:
+            env.mark(v, f.marks)
 
     def step(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[int]]:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
@@ -570,9 +578,10 @@ def _body_evaluator(
             list(closed.consts),
             args,
             mode,
-            in_static=in_static,
-            in_held=in_held,
-            in_marks=[Marks(False, c, {}) for c in in_carried],
+            inputs=[
+                InputFacts(static=st, held=h, marks=Marks(False, c, {}))
+                for st, h, c in zip(in_static, in_held, in_carried, strict=True)
+            ],
             out_flags=out_flags,
             traceback=traceback,
         )
@@ -684,8 +693,7 @@ def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], A
                     list(closed.consts),
                     list(dyn),
                     mode,
-                    in_static=[False] * n,
-                    in_held=in_held,
+                    inputs=[InputFacts(static=False, held=h) for h in in_held or [0] * n],
                 )
                 return _to_traced(outs, closed.out_avals)
 
@@ -778,11 +786,16 @@ def _eval_call(
         consts,
         invals,
         mode,
-        in_static=static,
-        in_held=[env.held_kind(v) for v in eqn.invars],
-        in_known=[env.known_value(v) if s else None for v, s in zip(eqn.invars, static)],
-        in_inert=[env.is_inert(v) for v in eqn.invars],
-        in_marks=[env.marks(v) for v in eqn.invars],
+        inputs=[
+            InputFacts(
+                static=s,
+                held=env.held_kind(v),
+                known=env.known_value(v) if s else None,
+                inert=env.is_inert(v),
+                marks=env.marks(v),
+            )
+            for v, s in zip(eqn.invars, static, strict=True)
+        ],
         out_flags=tuple(facts.flags(v) for v in eqn.outvars),
         traceback=tb,
     )
@@ -994,20 +1007,27 @@ def _decide(
     operands (`operands`: their static, held and carried facts) and results."""
     static, held, carried = operands
     name = eqn.primitive.name
+    known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
+    facts_of = [
+        Operand(
+            held=held[i],
+            static=static[i],
+            is_index=not isinstance(v, jc.Literal) and v in env.index,
+            known=known[i],
+            feeds=facts.flags(v).decides or facts.flags(env.source(v)).decides,
+            carried=carried[i],
+        )
+        for i, v in enumerate(eqn.invars)
+    ]
     return _target_dtype(
         name,
         eqn,
         vals,
         mode,
         ctx.policy,
-        held,
-        static,
-        [not isinstance(v, jc.Literal) and v in env.index for v in eqn.invars],
-        [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)],
+        facts_of,
         [facts.flags(v) for v in eqn.outvars],
         bias_add=name == "add" and env.is_bias_add(eqn),
-        feeds=[facts.flags(v).decides or facts.flags(env.source(v)).decides for v in eqn.invars],
-        carried=carried,
     )
 
 

@@ -179,20 +179,26 @@ class Decision(NamedTuple):
     hold: Hold = Hold.NONE  # whether, and why, the results are held in float32
 
 
+class Operand(NamedTuple):
+    """What the rule knows of one operand of an equation (see :func:`target_dtype`)."""
+
+    held: int  # a Hold: whether, and why, it is held in float32
+    static: bool  # computed without float inputs of the program (a constant, a mask)
+    is_index: bool  # index arithmetic (an integer cast to float, a floor)
+    known: Any  # its value when known at trace time and small, else None
+    feeds: bool  # it (or its source) feeds a decision
+    carried: bool  # a loop's carry passes through it
+
+
 def target_dtype(
     name: str,
     eqn: Any,
     vals: list[Any],
     mode: Any,
     base: Policy,
-    held: list[int],
-    static: list[bool],
-    index: list[bool],
-    known: list[Any],
+    operands: list[Operand],
     out_flags: list[Flags],
     bias_add: bool = False,
-    feeds: list[bool] | None = None,
-    carried: list[bool] | None = None,
 ) -> Decision:
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
 
@@ -204,6 +210,8 @@ def target_dtype(
     fin = [i for i, v in enumerate(eqn.invars) if is_float_dtype(v.aval.dtype)]
     if not fin:
         return Decision(Action.KEEP)
+    held = [o.held for o in operands]
+    static = [o.static for o in operands]
     if name in SHAPE_OPS or name in PASS_OPS:
         return Decision(Action.KEEP, hold=Hold(max(held[i] for i in fin)))
     if name in TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
@@ -224,12 +232,7 @@ def target_dtype(
         for i in fin
         if not isinstance(eqn.invars[i], jc.Literal) and not eqn.invars[i].aval.weak_type
     ]
-    as_traced = _as_traced(
-        name, name in lower, fouts, out_flags, traced, strong_in,
-        [(index[i], static[i], carried is not None and carried[i],
-          feeds is not None and feeds[i]) for i in range(len(eqn.invars))],
-        carried is not None, feeds is not None, fin,
-    )  # fmt: skip
+    as_traced = _as_traced(name, name in lower, fouts, out_flags, traced, fin, strong_in, operands)
     if as_traced is not None:
         return as_traced
     if name in f32 or (name not in lower and fouts and all(f.f32_only for f in out_flags)):
@@ -254,7 +257,7 @@ def target_dtype(
     explicit = _explicit_half(eqn, fin, policy)
     if explicit is not None and np.dtype(target).itemsize < 4:
         target = explicit
-    return _keeping_constants(name, target, hold, full, known)
+    return _keeping_constants(name, target, hold, full, [o.known for o in operands])
 
 
 def _region_decision(
@@ -285,22 +288,19 @@ def _as_traced(
     fouts: list[Any],
     out_flags: list[Flags],
     traced: list[Any],
-    strong_in: list[int],
-    uses: list[tuple[bool, bool, bool, bool]],
-    has_carried: bool,
-    has_feeds: bool,
     fin: list[int],
+    strong_in: list[int],
+    operands: list[Operand],
 ) -> Decision | None:
     """The decision for an op that runs in its traced dtype (decisions, bookkeeping, index
-    arithmetic) or its loop carry's, else None. `uses` are each operand's (index, static,
-    carried, feeds)."""
-    index = [u[0] for u in uses]
-    static = [u[1] for u in uses]
+    arithmetic) or its loop carry's, else None."""
+    index = [o.is_index for o in operands]
+    static = [o.static for o in operands]
     decides = name in DECISION_OPS or not fouts or any(f.decides for f in out_flags)
     if not is_lower and (decides or all(not v.aval.shape for v in fouts)):
         # decisions and scalar bookkeeping (tensor math follows the policy)
         return Decision(Action.TRACED)
-    if name in CARRY_OPS and has_carried and any(uses[i][2] for i in fin):
+    if name in CARRY_OPS and any(operands[i].carried for i in fin):
         # The loop's state updated by a small step keeps the dtype it entered the loop with.
         return Decision(Action.CAST, _widest(traced))
     if not is_lower and strong_in and all(index[i] or static[i] for i in strong_in):
@@ -308,9 +308,8 @@ def _as_traced(
         return Decision(Action.TRACED)
     if (
         name in _CANCELS
-        and has_feeds
         and any(index[i] and not static[i] for i in strong_in)
-        and all(index[i] or static[i] or uses[i][3] for i in strong_in)
+        and all(index[i] or static[i] or operands[i].feeds for i in strong_in)
     ):
         # a coordinate minus its own floor: p - floor(p).astype(int)
         return Decision(Action.TRACED)
