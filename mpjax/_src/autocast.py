@@ -768,8 +768,7 @@ def _bind_with_operands(
 
 def _eval_call(
     ctx: Context,
-    jaxpr: Any,
-    consts: list[Any],
+    body: tuple[Any, list[Any]],
     invals: list[Any],
     eqn: Any,
     env: _Env,
@@ -779,6 +778,7 @@ def _eval_call(
 ) -> tuple[list[Any], list[int], list[Marks]]:
     """Evaluates the body of a call equation (an inlined jit, a remat) on `invals`, with what
     the caller knows of its operands and of its results' uses."""
+    jaxpr, consts = body  # the call's jaxpr and its constants
     static = [env.is_static(v) for v in eqn.invars]
     return _eval_jaxpr(
         ctx,
@@ -824,7 +824,7 @@ def _eval_remat(
         vals = list(invals)
         for i, x in zip(dyn, d, strict=True):
             vals[i] = x
-        outs, holds, marks = _eval_call(ctx, p["jaxpr"], [], vals, eqn, env, facts, mode, tb)
+        outs, holds, marks = _eval_call(ctx, (p["jaxpr"], []), vals, eqn, env, facts, mode, tb)
         learnt["holds"] = holds
         # Twins and island values made inside stay inside the remat's trace.
         learnt["marks"] = [Marks(m.is_index, m.is_carried, {}) for m in marks]
@@ -867,9 +867,8 @@ def _inline_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     closed = interpret.call_body(eqn, INLINE_CALLS)
-    outs, holds, marks = _eval_call(
-        ctx, closed.jaxpr, list(closed.consts), invals, eqn, env, facts, mode, tb
-    )
+    body = (closed.jaxpr, list(closed.consts))
+    outs, holds, marks = _eval_call(ctx, body, invals, eqn, env, facts, mode, tb)
     # What the call's body learnt (an index made inside jnp.clip, the carry updated inside a
     # jitted step) holds for its results here too.
     env.mark_results(eqn, marks)

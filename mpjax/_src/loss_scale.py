@@ -380,7 +380,7 @@ class DynamicLossScale:
     max_loss_scale: float
     bad_steps: jax.Array | None
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (jmp's arguments, then torch.amp's keyword options)
         self,
         loss_scale: Any,
         counter: Any = None,

@@ -507,7 +507,7 @@ class Policy:
         return loss_scale_lib.StaticLossScale(kind)
 
     @classmethod
-    def from_level(
+    def from_level(  # noqa: PLR0913 (a level, then keyword options as apex's amp.initialize)
         cls,
         level: str,
         half_dtype: Any = None,
