@@ -39,7 +39,8 @@ class Facts:
 def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any) -> Facts:
     key = (id(jaxpr), out_flags, id(mode) if isinstance(mode, Policy) else mode)
     if key in ctx.memo:
-        return ctx.memo[key][1]
+        memo: Facts = ctx.memo[key][1]
+        return memo
     decision: set[Any] = set()
     used: set[Any] = set()
     not_f32: set[Any] = set()

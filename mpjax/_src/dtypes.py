@@ -31,6 +31,11 @@ def is_half(x: Any) -> bool:
     return hasattr(x, "dtype") and np.dtype(x.dtype) in HALF_DTYPES
 
 
+def max_exponent(dtype: Any) -> int:
+    """The exponent of the floating `dtype`'s range: 2**max_exponent is beyond it."""
+    return int(jnp.finfo(dtype).maxexp)
+
+
 def dtype_max(dtype: Any) -> float:
     """The largest finite value of the floating `dtype`."""
     return float(jnp.finfo(dtype).max)

@@ -172,7 +172,7 @@ class Rules:
         return default
 
     def _fallback(self, attr: str) -> Callable[..., Any] | None:
-        rule = getattr(self, attr)
+        rule: Callable[..., Any] | None = getattr(self, attr)
         if rule is None and self._parent is not None:
             return self._parent._fallback(attr)
         return rule

@@ -58,6 +58,11 @@ _REDUCTIONS = ops.having(Trait.STATISTIC)
 SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
 
 
+def _named(x: Any, name: str) -> Any:
+    """``checkpoint_name(x, name)`` (typed)."""
+    return checkpoint_name(x, name)  # type: ignore[no-untyped-call]
+
+
 def _unnamed(made: dict[Any, Any], v: Any) -> Any:
     """The value `v` names (through ``checkpoint_name`` equations), or `v` itself."""
     while not isinstance(v, jc.Literal) and v in made and made[v].primitive.name == "name":
@@ -70,7 +75,9 @@ def _statistics(run: list[Any]) -> set[Any]:
     (through ISLAND names) is a softmax's normalizer: XLA fuses a whole softmax into one
     kernel forward and one backward when it is not kept; kept, the forward takes three."""
     made = {u: e for e in run for u in e.outvars}
-    size = lambda v: int(np.prod(v.aval.shape, dtype=np.int64))
+
+    def size(v: Any) -> int:
+        return int(np.prod(v.aval.shape, dtype=np.int64))
 
     def of_exp(v: Any) -> bool:
         e = made.get(_unnamed(made, v))
@@ -110,7 +117,9 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
         return None
     made = {u: e for e in run for u in e.outvars}
 
-    src = lambda v: _unnamed(made, v)
+
+    def src(v: Any) -> Any:
+        return _unnamed(made, v)
 
     def eqn(v: Any, name: str) -> Any:
         e = made.get(src(v)) if not isinstance(v, jc.Literal) else None
@@ -411,7 +420,7 @@ def _remat_region(
         for eqn, stack in zip(run, stacks, strict=True):
             _bind(eqn, env, stack)
             if eqn.outvars and eqn.outvars[0] in kept:
-                env[eqn.outvars[0]] = checkpoint_name(env[eqn.outvars[0]], STATISTIC)
+                env[eqn.outvars[0]] = _named(env[eqn.outvars[0]], STATISTIC)
         return [env[v] for v in outs]
 
     soft = _softmax(run, ins, outs)
@@ -447,7 +456,8 @@ def _softmax_region(
 
     @jax.custom_jvp
     def region(*vals: Any) -> list[Any]:
-        return f(*vals)
+        out: list[Any] = f(*vals)
+        return out
 
     def region_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
         out = f(*primals)

@@ -18,12 +18,11 @@ from __future__ import annotations
 import enum
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import numpy as np
 
 from mpjax._src import jax_compat as jc
 from mpjax._src import ops
-from mpjax._src.dtypes import dtype_max, is_float_dtype
+from mpjax._src.dtypes import dtype_max, is_float_dtype, max_exponent
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
 
@@ -68,7 +67,7 @@ CARRY_OPS = ops.having(Trait.CARRIES)
 
 def _narrow(dtype: Any) -> bool:
     """Whether `dtype`'s range is narrower than float32's (float16: yes; bfloat16: no)."""
-    return bool(jnp.finfo(dtype).maxexp < jnp.finfo(np.float32).maxexp)
+    return max_exponent(dtype) < max_exponent(np.float32)
 
 
 def n_elements(v: Any) -> int:
@@ -367,7 +366,7 @@ def _explicit_half(eqn: Any, fin: list[int], policy: Policy) -> np.dtype | None:
     float operand (literals aside) was traced in it, as in a Flax module built with
     ``dtype=jnp.bfloat16`` under a float16 policy. Such a choice is honoured, as Keras honours
     a layer's own dtype policy (torch.amp overrides it)."""
-    traced = {
+    traced: set[np.dtype[Any]] = {
         np.dtype(eqn.invars[i].aval.dtype) for i in fin if not isinstance(eqn.invars[i], jc.Literal)
     }
     if len(traced) != 1:
