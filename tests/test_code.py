@@ -1,5 +1,5 @@
 """The code's shape, checked from its source: mpjax's modules import each other without a
-circle (type-only imports included)."""
+circle (type-only imports included), and no function is over 100 lines, docstring aside."""
 
 from __future__ import annotations
 
@@ -66,3 +66,25 @@ def test_no_module_of_mpjax_imports_one_that_imports_it_back():
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
     assert "mpjax._src.rules" in graph["mpjax._src.autocast"]  # the reading works
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph) or [])}"
+
+
+def _long_functions(limit: int) -> list[tuple[int, str]]:
+    """(lines, where) of each function over `limit` lines, its docstring not counted (nested
+    functions count in the function that holds them, as a reader meets them)."""
+    found = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                lines -= (first.end_lineno or first.lineno) - first.lineno + 1
+            if lines > limit:
+                found.append((lines, f"{name}.{node.name}"))
+    return sorted(found, reverse=True)
+
+
+def test_no_function_is_over_100_lines_docstring_aside():
+    assert _long_functions(60), "the measure finds long functions"  # the reading works
+    assert not _long_functions(100), _long_functions(100)

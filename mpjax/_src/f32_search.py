@@ -217,14 +217,8 @@ def find_f32_rules(
                 "NNX modules wrapped by mpjax.flax.wrap); use by='ops' with a policy."
             )
     else:
-        worst: dict[str, float] = {}
-        for r in report.rows:
-            half = any(t in r.dtype for t in ("float16", "bfloat16"))
-            if half and r.primitive in ops.KNOWN_OPS and r.primitive not in NOT_CANDIDATES:
-                worst[r.primitive] = max(worst.get(r.primitive, 0.0), r.local_error)
         assert policy is not None
-        worst = {k: v for k, v in worst.items() if k not in policy.f32_ops}
-        candidates = sorted(worst.items(), key=lambda kv: -kv[1])
+        candidates = _op_candidates(report, policy)
 
     trials: dict[frozenset[str], tuple[float, Program]] = {}
 
@@ -245,22 +239,7 @@ def find_f32_rules(
 
     names = [c for c, _ in candidates]
     baseline = trial(frozenset())
-    chosen = frozenset[str]()
-    if baseline > tol and names:
-        if trial(frozenset(names)) > tol:
-            chosen = frozenset(names)
-        else:
-            lo, hi = 0, len(names)  # prefix lo misses tol, prefix hi meets it
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if trial(frozenset(names[:mid])) <= tol:
-                    hi = mid
-                else:
-                    lo = mid
-            chosen = frozenset(names[:hi])
-            for name in reversed(names[:hi]):  # the least suspect first
-                if len(chosen) > 1 and trial(chosen - {name}) <= tol:
-                    chosen = chosen - {name}
+    chosen = _smallest_set(names, trial, tol) if baseline > tol and names else frozenset()
     error = trial(chosen)
 
     def share(program: Program) -> float:
@@ -292,6 +271,39 @@ def find_f32_rules(
         evaluations=len(trials),
         report=report,
     )
+
+
+def _op_candidates(report: Any, policy: Policy) -> list[tuple[str, float]]:
+    """The op kinds that ran in half, by their worst local error, most suspect first."""
+    worst: dict[str, float] = {}
+    for r in report.rows:
+        half = any(t in r.dtype for t in ("float16", "bfloat16"))
+        if half and r.primitive in ops.KNOWN_OPS and r.primitive not in NOT_CANDIDATES:
+            worst[r.primitive] = max(worst.get(r.primitive, 0.0), r.local_error)
+    worst = {k: v for k, v in worst.items() if k not in policy.f32_ops}
+    return sorted(worst.items(), key=lambda kv: -kv[1])
+
+
+def _smallest_set(
+    names: list[str], trial: Callable[[frozenset[str]], float], tol: float
+) -> frozenset[str]:
+    """A small set of `names` (most suspect first) whose `trial` error is within `tol`: the
+    shortest such prefix, by bisection, then each name dropped that is not needed, the least
+    suspect first. All of `names` when even that misses `tol`."""
+    if trial(frozenset(names)) > tol:
+        return frozenset(names)
+    lo, hi = 0, len(names)  # prefix lo misses tol, prefix hi meets it
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trial(frozenset(names[:mid])) <= tol:
+            hi = mid
+        else:
+            lo = mid
+    chosen = frozenset(names[:hi])
+    for name in reversed(names[:hi]):  # the least suspect first
+        if len(chosen) > 1 and trial(chosen - {name}) <= tol:
+            chosen = chosen - {name}
+    return chosen
 
 
 def _escape(path: str) -> str:

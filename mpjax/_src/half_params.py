@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -283,6 +284,88 @@ def _check_params(params: Any, caller: str) -> None:
             )
 
 
+def _check_half_params(params: Any) -> None:
+    """half_updates' checks of the params it is given; a warning where none is half."""
+    _check_params(params, "half_updates")
+    if not any(is_half(p) for p in jax.tree_util.tree_leaves(params)):
+        warnings.warn(
+            "half_updates: no param is float16 or bfloat16, so it changes nothing. Store "
+            "the params in half, e.g. with mpjax.Policy.from_level('O2', "
+            "master_weights=False).cast_to_param(params).",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _update_leaves(updates: Any, state: Any, params: Any) -> tuple[list[Any], Any, list[Any]]:
+    """half_updates' update arguments checked: the param leaves, their treedef, and the
+    gradient leaves in the params' structure."""
+    if not isinstance(state, HalfUpdatesState):
+        raise TypeError(
+            f"half_updates().update got a state of type {type(state).__name__}; pass the "
+            "state that this transformation's init returned."
+        )
+    if params is None:
+        raise ValueError(
+            "half_updates needs the current params to round the new ones: call "
+            "tx.update(grads, opt_state, params)."
+        )
+    _check_params(params, "half_updates")
+    p_leaves, treedef = jax.tree_util.tree_flatten(params)
+    try:
+        g_leaves = up_to(treedef, updates)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"half_updates: the gradients and params have different structures ({e}); pass "
+            "jax.grad's output for these params."
+        ) from None
+    return p_leaves, treedef, g_leaves
+
+
+def _rounded_updates(
+    mode: str, p_leaves: list[Any], u_leaves: list[Any], c_leaves: list[Any] | None, key: Any
+) -> tuple[list[Any], list[Any]]:
+    """half_updates' updates, leaf by leaf, such that ``p + update`` is ``p + u`` rounded to
+    the param's dtype in `mode`, and the new compensation buffers (``"kahan"``; the others
+    pass theirs through). Params wider than half take `inner`'s update as it is."""
+    out_u, out_c = [], []
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if not is_half(p):
+            out_u.append(u)
+            if c_leaves is not None:
+                out_c.append(c_leaves[i])
+            continue
+        p32, u32 = p.astype(_F32), u.astype(_F32)
+        if mode == "stochastic":
+            new = stochastic_round(jax.random.fold_in(key, i), p32 + u32, p.dtype)
+        elif mode == "nearest":
+            new = (p32 + u32).astype(p.dtype)
+        else:
+            master = _join(p, c_leaves[i]) + u32  # type: ignore[index]
+            new, rest = _split(master, np.dtype(p.dtype))
+            out_c.append(rest)
+        out_u.append(new.astype(_F32) - p32)
+    return out_u, out_c
+
+
+def _stored_state(
+    inner_state: Any, reference: Any, stored_dtype: Callable[[Any], np.dtype], key: Any
+) -> Any:
+    """`inner`'s float32 state with each leaf `stored_dtype` narrows rounded stochastically to
+    it (see half_updates' state_dtype); `reference` is the state's float32 shapes."""
+    s_leaves, s_def = jax.tree_util.tree_flatten(inner_state)
+    r_leaves = up_to(s_def, reference)
+    return jax.tree_util.tree_unflatten(
+        s_def,
+        [
+            stochastic_round(jax.random.fold_in(key, i), s, stored_dtype(r))
+            if is_float(s) and stored_dtype(r) != np.dtype(r.dtype)
+            else s
+            for i, (s, r) in enumerate(zip(s_leaves, r_leaves))
+        ],
+    )
+
+
 def half_updates(
     inner: optax.GradientTransformation,
     mode: str = "stochastic",
@@ -390,15 +473,7 @@ def half_updates(
         return jax.tree_util.tree_map(lambda p: p.astype(_F32) if is_half(p) else p, params)
 
     def init(params: optax.Params) -> HalfUpdatesState:
-        _check_params(params, "half_updates")
-        if not any(is_half(p) for p in jax.tree_util.tree_leaves(params)):
-            warnings.warn(
-                "half_updates: no param is float16 or bfloat16, so it changes nothing. Store "
-                "the params in half, e.g. with mpjax.Policy.from_level('O2', "
-                "master_weights=False).cast_to_param(params).",
-                UserWarning,
-                stacklevel=2,
-            )
+        _check_half_params(params)
         inner_state = inner_tx.init(widen(params))
         inner_state = jax.tree_util.tree_map(
             lambda s: s.astype(stored_dtype(s)) if is_float(s) else s, inner_state
@@ -420,25 +495,7 @@ def half_updates(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, HalfUpdatesState]:
-        if not isinstance(state, HalfUpdatesState):
-            raise TypeError(
-                f"half_updates().update got a state of type {type(state).__name__}; pass the "
-                "state that this transformation's init returned."
-            )
-        if params is None:
-            raise ValueError(
-                "half_updates needs the current params to round the new ones: call "
-                "tx.update(grads, opt_state, params)."
-            )
-        _check_params(params, "half_updates")
-        p_leaves, treedef = jax.tree_util.tree_flatten(params)
-        try:
-            g_leaves = up_to(treedef, updates)
-        except (ValueError, TypeError) as e:
-            raise ValueError(
-                f"half_updates: the gradients and params have different structures ({e}); pass "
-                "jax.grad's output for these params."
-            ) from None
+        p_leaves, treedef, g_leaves = _update_leaves(updates, state, params)
 
         # Everything the inner optimizer sees is float32: gradients, params, its state.
         wide_params = jax.tree_util.tree_unflatten(treedef, [widen(p) for p in p_leaves])
@@ -468,36 +525,9 @@ def half_updates(
                 jax.random.wrap_key_data(state.key, impl=impl), 3
             )
         c_leaves = up_to(treedef, state.compensation) if state.compensation is not None else None
-        out_u, out_c = [], []
-        for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
-            if not is_half(p):
-                out_u.append(u)
-                if c_leaves is not None:
-                    out_c.append(c_leaves[i])
-                continue
-            p32, u32 = p.astype(_F32), u.astype(_F32)
-            if mode == "stochastic":
-                new = stochastic_round(jax.random.fold_in(param_key, i), p32 + u32, p.dtype)
-            elif mode == "nearest":
-                new = (p32 + u32).astype(p.dtype)
-            else:
-                master = _join(p, c_leaves[i]) + u32  # type: ignore[index]
-                new, rest = _split(master, np.dtype(p.dtype))
-                out_c.append(rest)
-            out_u.append(new.astype(_F32) - p32)
-
+        out_u, out_c = _rounded_updates(mode, p_leaves, u_leaves, c_leaves, param_key)
         if state_dtype is not None:
-            s_leaves, s_def = jax.tree_util.tree_flatten(inner_state)
-            r_leaves = up_to(s_def, reference)
-            inner_state = jax.tree_util.tree_unflatten(
-                s_def,
-                [
-                    stochastic_round(jax.random.fold_in(state_key, i), s, stored_dtype(r))
-                    if is_float(s) and stored_dtype(r) != np.dtype(r.dtype)
-                    else s
-                    for i, (s, r) in enumerate(zip(s_leaves, r_leaves))
-                ],
-            )
+            inner_state = _stored_state(inner_state, reference, stored_dtype, state_key)
         return jax.tree_util.tree_unflatten(treedef, out_u), HalfUpdatesState(
             inner_state=inner_state,
             key=None if new_key is None else jax.random.key_data(new_key),

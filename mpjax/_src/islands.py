@@ -117,7 +117,6 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
         return None
     made = {u: e for e in run for u in e.outvars}
 
-
     def src(v: Any) -> Any:
         return _unnamed(made, v)
 

@@ -244,21 +244,7 @@ def loss_scale(
         )
 
     def init(params: optax.Params) -> LossScaleState:
-        _check_has_floats(params, "params")
-        if inner_tx is not None:
-            _warn_half_adam_eps(params, inner_tx)
-        nonfinite = None
-        if track_nonfinite:
-            paths = _float_leaf_paths(params)
-            nonfinite = NonFiniteLeaves(jnp.zeros([len(paths)], jnp.bool_), paths)
-        return LossScaleState(
-            loss_scale=initial_scale,
-            skipped_steps=jnp.zeros([], jnp.int32),
-            consecutive_skips=jnp.zeros([], jnp.int32),
-            last_finite=jnp.array(True),
-            inner_state=optax.EmptyState() if inner_tx is None else inner_tx.init(params),
-            nonfinite=nonfinite,
-        )
+        return _initial_state(params, inner_tx, initial_scale, track_nonfinite)
 
     def update(
         updates: optax.Updates,
@@ -283,25 +269,7 @@ def loss_scale(
         # instead of writing the unscaled gradients out (docs/guides/internals.md).
         checked = updates if _scale_at_least_one(state.loss_scale) else grads
 
-        def everywhere(ok: jax.Array) -> jax.Array:
-            if axis_name is None:
-                return ok
-            # every replica sees every replica's overflow
-            return jax.lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name) == 0
-
-        nonfinite = None
-        if state.nonfinite is None:  # one flag: a reduction per group of like leaves
-            finite = everywhere(ls_lib.all_finite(checked))
-        else:  # a flag per leaf, to name the leaves that overflowed
-            flags = everywhere(ls_lib.leaf_finite_flags(checked))
-            finite = jnp.all(flags)
-            if flags.shape != state.nonfinite.mask.shape:
-                raise ValueError(
-                    f"loss_scale(track_nonfinite=True): the gradients have {flags.shape[0]} "
-                    f"float leaves but params had {state.nonfinite.mask.shape[0]}; pass "
-                    "gradients with the structure of the params given to init."
-                )
-            nonfinite = NonFiniteLeaves(jnp.logical_not(flags), state.nonfinite.paths)
+        finite, nonfinite = _finite(checked, state.nonfinite, axis_name)
         new_scale = state.loss_scale.adjust(finite)
 
         if inner_tx is None:
@@ -345,6 +313,55 @@ def loss_scale(
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def _initial_state(
+    params: Any,
+    inner_tx: optax.GradientTransformation | None,
+    scale: ls_lib.LossScale,
+    track_nonfinite: bool,
+) -> LossScaleState:
+    """loss_scale's init: no step skipped yet, and `inner_tx`'s state."""
+    _check_has_floats(params, "params")
+    if inner_tx is not None:
+        _warn_half_adam_eps(params, inner_tx)
+    nonfinite = None
+    if track_nonfinite:
+        paths = _float_leaf_paths(params)
+        nonfinite = NonFiniteLeaves(jnp.zeros([len(paths)], jnp.bool_), paths)
+    return LossScaleState(
+        loss_scale=scale,
+        skipped_steps=jnp.zeros([], jnp.int32),
+        consecutive_skips=jnp.zeros([], jnp.int32),
+        last_finite=jnp.array(True),
+        inner_state=optax.EmptyState() if inner_tx is None else inner_tx.init(params),
+        nonfinite=nonfinite,
+    )
+
+
+def _finite(
+    checked: Any, tracked: NonFiniteLeaves | None, axis_name: Any
+) -> tuple[jax.Array, NonFiniteLeaves | None]:
+    """Whether every leaf of `checked` is finite on every replica of `axis_name`, and, where
+    `tracked` (loss_scale(track_nonfinite=True)'s state), which leaves were not."""
+
+    def everywhere(ok: jax.Array) -> jax.Array:
+        if axis_name is None:
+            return ok
+        # every replica sees every replica's overflow
+        return jax.lax.psum(jnp.logical_not(ok).astype(jnp.int32), axis_name) == 0
+
+    if tracked is None:  # one flag: a reduction per group of like leaves
+        return everywhere(ls_lib.all_finite(checked)), None
+    # a flag per leaf, to name the leaves that overflowed
+    flags = everywhere(ls_lib.leaf_finite_flags(checked))
+    if flags.shape != tracked.mask.shape:
+        raise ValueError(
+            f"loss_scale(track_nonfinite=True): the gradients have {flags.shape[0]} "
+            f"float leaves but params had {tracked.mask.shape[0]}; pass "
+            "gradients with the structure of the params given to init."
+        )
+    return jnp.all(flags), NonFiniteLeaves(jnp.logical_not(flags), tracked.paths)
+
+
 def _checks_updates(check_updates: bool | None, params: Any) -> bool:
     if check_updates is not None:
         return bool(check_updates)
@@ -378,7 +395,7 @@ def _warn_half_adam_eps(params: Any, inner: optax.GradientTransformation) -> Non
             "train, keep float32 params (O2: Policy.from_level('O2', 'float16')), use "
             "bfloat16, or pass a larger eps (optax.adam(1e-3, eps=1e-4)).",
             HalfAdamWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of loss_scale's init
         )
 
 
