@@ -20,14 +20,14 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import hardware, interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Facts, analyze, while_facts
-from mpjax._src.dtypes import dtype_max, is_float_dtype
-from mpjax._src.islands import ISLAND, ISLAND_OPS, is_island_call, remat_islands
+from mpjax._src.dtypes import is_float_dtype
+from mpjax._src.half_grads import dot_wide_grads, grows_half
+from mpjax._src.islands import ISLAND, remat_islands
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
@@ -35,16 +35,15 @@ from mpjax._src.rules import (  # the dtype rules; this module is the machinery 
     ELEMENTWISE,
     FILL_OPS,
     NO_USE,
-    SHAPE_OPS,
     Action,
     Flags,
     Hold,
     Operand,
-    beyond,
     n_elements,
     op_lists,
 )
 from mpjax._src.rules import target_dtype as _target_dtype
+from mpjax._src.values import KNOWN_LIMIT, SHADOW_CACHE, InputFacts, Marks, Values, cast
 
 UNTOUCHED_SCOPE = "mpjax_untouched"
 # The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).
@@ -69,42 +68,11 @@ class UntouchedWarning(UserWarning):
 INLINE_CALLS = interpret.INLINE_CALLS
 _CUSTOM_CALLS = frozenset(interpret.CUSTOM_CALLS)
 _SUBJAXPR_PARAMS = interpret.BODY_PARAMS
-# Known values (trace-time constants) are computed up to this many elements, to check casts.
-_KNOWN_LIMIT = 1 << 16
 
 
 def _value(x: Any, v: Any) -> Any:
     """`x` as something with a dtype and shape (literals are plain or typed Python scalars)."""
     return jc.literal_array(v) if isinstance(v, jc.Literal) else x
-
-
-def cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = False) -> Any:
-    """One convert, as ``x.astype(dtype)``: a value that overflows `dtype` becomes inf, as in
-    hand-written code and every peer, so loss scaling and find_nonfinite see it. `saturate`
-    clamps finite values to `dtype`'s range first; only for values with no derivative path
-    (see _Env._saturate), where the clamp costs no residual."""
-    if getattr(x, "dtype", None) == dtype and not weak_type:
-        return x
-    if _SHADOW_CACHE.get() and not isinstance(x, jax.core.Tracer):
-        # See for_shadow: a constant cast down stays a convert of its float32 value.
-        x = lax.optimization_barrier(x)
-    if (
-        saturate
-        and is_float_dtype(dtype)
-        and is_float_dtype(x.dtype)
-        and dtype_max(dtype) < dtype_max(x.dtype)
-    ):
-        x = _saturate(x, dtype)
-    return jc.convert(x, np.dtype(dtype), weak_type)
-
-
-def _saturate(x: Any, dtype: np.dtype) -> Any:
-    """Clamps finite values to `dtype`'s range, so that a mask fill of finfo(float32).min
-    stays finite (-inf - -inf would make NaN where float32 had a number). Infinities and NaN
-    pass as they are. XLA fuses this into the convert."""
-    lim = lax.full_like(x, dtype_max(dtype))
-    clamped = lax.max(lax.min(x, lim), lax.neg(lim))
-    return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
 
 
 class Context:
@@ -168,304 +136,6 @@ def _fix_params(eqn: Any, target: Any) -> dict[str, Any]:
 # -- machinery: evaluate a jaxpr, rebuilding higher-order primitives ------------------------------
 
 
-class Marks(NamedTuple):
-    """Facts of a value that cross an inlined call's boundary: it is an index (a decision or
-    made from one), a loop's carry, its half twins by dtype (see _Env.twins), whether it
-    belongs to a float32 island (see _Env.island), and whether it is a param (see
-    _Env.is_param; None where the caller does not say: an input of the body is taken as one).
-    """
-
-    is_index: bool
-    is_carried: bool
-    twins: dict[np.dtype, Any]
-    in_island: bool = False
-    is_param: bool | None = None
-
-
-class InputFacts(NamedTuple):
-    """What a caller knows of one input of a jaxpr it evaluates (see _eval_jaxpr)."""
-
-    static: bool | None = None  # computed without float inputs; None: unless it is a float
-    held: int = Hold.NONE  # whether, and why, it is held in float32
-    known: Any = None  # its value when known at trace time and small
-    inert: bool | None = None  # no derivative flows through it; None: where it is static
-    marks: Marks | None = None  # its marks (see Marks), where the caller has them
-
-
-class _Env:
-    """Per-jaxpr evaluation state: values, and what is known about each."""
-
-    def __init__(self) -> None:
-        self.vals: dict[Any, Any] = {}
-        self.held: dict[Any, int] = {}  # values held in float32, by Hold kind
-        self.static: set[Any] = set()
-        self.known: dict[Any, np.ndarray] = {}
-        self.index: set[Any] = set()  # decided values and floats made from integers
-        # A loop body's carries, and those values updated by CARRY_OPS or moved by shape ops
-        # (rules.CARRY_OPS run in the carry's dtype).
-        self.carried: set[Any] = set()
-        # The value each float was moved from by shape ops (yx[:, 0] sliced twice, once for
-        # floor and once for p - floor(p), is one coordinate): facts about uses hold there.
-        self.origin: dict[Any, Any] = {}
-        # Floats with no derivative path: every float they are computed from is a literal, a
-        # trace-time constant or inert itself (a mask bias made from an integer or boolean
-        # mask). Only these saturate when cast down: a clamp of a differentiated value would
-        # save its masks for the backward pass.
-        self.inert: set[Any] = set()
-        self.lowered: set[Any] = set()  # results of lower-list ops (matmuls, convolutions)
-        self.spread: set[Any] = set()  # results of a broadcast that grows a value (JAX 0.6)
-        self.args: set[Any] = set()  # the jaxpr's inputs: params, where gradients end
-        # one convert per value and dtype, not per use
-        self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
-        # Half twins of moved float32 values: the same gather, slice or reshape applied to the
-        # value's half cast (see _Env.move). A consumer that casts the moved value to that
-        # half takes the twin, so the movement, and the collective a partitioner puts on it,
-        # moves half bytes, as `.astype` before `jnp.take` does; the unused one is dead code.
-        self.twins: dict[tuple[Any, np.dtype], Any] = {}
-        # Float32 islands: float32 values computed, by elementwise ops, reductions and moves,
-        # from half values (a softmax's exp and sums, a loss's log_softmax, a norm's
-        # statistics), each named ISLAND (see tag_island). The backward pass recomputes them
-        # from the half values they came from instead of keeping them in float32.
-        self.island: set[Any] = set()
-
-    def read(self, v: Any) -> Any:
-        return v.val if isinstance(v, jc.Literal) else self.vals[v]
-
-    def write(self, eqn: Any, result: tuple[list[Any], list[int]]) -> None:
-        """Records an equation's results and what is known of them: held kinds, statics and
-        their values, inert, carried and moved values."""
-        outvals, holds = result
-        static = [self.is_static(v) for v in eqn.invars]
-        known = None
-        if all(static):
-            known = _known_outputs(eqn, [self.known_value(v) for v in eqn.invars])
-        inert = all(self.is_inert(v) for v in eqn.invars if is_float_dtype(v.aval.dtype))
-        carried = eqn.primitive.name in _CARRY_PASS and any(
-            self.is_carried(v) for v in eqn.invars if is_float_dtype(v.aval.dtype)
-        )
-        moved = eqn.primitive.name in SHAPE_OPS and not isinstance(eqn.invars[0], jc.Literal)
-        for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
-            if isinstance(v, jc.DropVar):
-                continue
-            self.vals[v] = x
-            if inert:
-                self.inert.add(v)
-            if carried and is_float_dtype(v.aval.dtype):
-                self.carried.add(v)
-            if moved and is_float_dtype(v.aval.dtype) and i == 0:
-                self.origin[v] = self.source(eqn.invars[0])
-            if holds[i]:
-                self.held[v] = holds[i]
-            if all(static):
-                self.static.add(v)
-                if known is not None:
-                    self.known[v] = known[i]
-
-    def operand_facts(self, eqn: Any) -> tuple[list[bool], list[int], list[bool]]:
-        """Whether each operand of `eqn` is static, its held kind, and whether it is carried."""
-        static = [self.is_static(v) for v in eqn.invars]
-        held = [self.held_kind(v) for v in eqn.invars]
-        carried = [self.is_carried(v) for v in eqn.invars]
-        return static, held, carried
-
-    def is_static(self, v: Any) -> bool:
-        return isinstance(v, jc.Literal) or v in self.static
-
-    def known_value(self, v: Any) -> Any:
-        return jc.literal_array(v) if isinstance(v, jc.Literal) else self.known.get(v)
-
-    def cast(
-        self,
-        v: Any,
-        x: Any,
-        dtype: np.dtype,
-        shape: tuple[int, ...],
-        wide_sums: bool = False,
-        sharding: Any = None,
-    ) -> Any:
-        """`v`'s value `x` cast to `dtype`. Where the op broadcasts it to `shape` (it grows)
-        and `wide_sums` (see _primitive_rule's wide_sums and wide_grads), it is broadcast in float32
-        first, typed with `sharding`, that of the result it stands for (see
-        jax_compat.typed_sharding): the broadcast's transpose, the gradient's sum, then runs in
-        float32 (a bias's gradient), not in half."""
-        if isinstance(v, jc.Literal):
-            return cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
-        wide = wide_sums and x.ndim == len(shape) and x.shape != shape
-        wide = wide and np.dtype(dtype).itemsize < 4
-        twin = self.twins.get((v, np.dtype(dtype)))
-        if twin is not None and not wide:
-            x = twin  # the same values, moved in half (see move)
-        if x.dtype == dtype and not wide:
-            return x
-        key = (v, np.dtype(dtype), shape)
-        if key not in self.casts:
-            if wide:
-                # A half value goes up and back down for it (at O1/O2): XLA fuses the
-                # converts, and no float32 copy is made.
-                if x.dtype == dtype:
-                    x = jc.convert(x, np.float32)
-                x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)), out_sharding=sharding)
-            self.casts[key] = cast(x, dtype, saturate=self._saturate(v, dtype))
-        return self.casts[key]
-
-    def move(self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool) -> None:
-        """Makes the half twin of a data movement's result (see `twins`): the op applied to
-        its operand's twin, or to the operand's half cast, where the operand is a float32
-        value that is no constant and no statistic.
-
-        A movement whose transpose sums (a broadcast that grows a value, a gather that takes
-        one row many times) then sums the gradient in half, as the hand-written step's does
-        and as the policy's `reduce_dtype` says by default. With `wide_grads` (float32
-        reduction asked for), growing broadcasts get no twin and a gather's twin transposes
-        to a float32 scatter-add."""
-        v, x = eqn.invars[0], invals[0]
-        out = eqn.outvars[0]
-        if isinstance(v, jc.Literal) or isinstance(out, jc.DropVar):
-            return
-        name = eqn.primitive.name
-        if wide_grads and name == "broadcast_in_dim" and n_elements(out) > n_elements(v):
-            return
-        src = self.twins.get((v, half))
-        plain = v not in self.static and not self.held_kind(v) and v not in self.carried
-        if not (plain and getattr(x, "dtype", None) == np.float32):
-            if src is None or name == "gather":  # only a twin moves on, and not by a gather
-                return
-        if wide_grads and name == "gather":
-            # It gathers half bytes but transposes as the float32 gather did: the rows an
-            # embedding lookup takes many times sum in float32.
-            gather = _gather_half(eqn.params, half, jc.aval_of(x))
-            self.twins[(out, half)] = gather(x, *invals[1:])
-            return
-        try:
-            if src is None:
-                src = self.cast(v, x, half, tuple(x.shape))
-            self.twins[(out, half)] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
-        except ValueError:
-            # A reshard or mesh_cast whose equation runs under another mesh than its
-            # operand's type: the cast cannot be made there, so no twin; the cast comes after
-            # the movement, as without one.
-            return
-
-    def is_bias_add(self, eqn: Any) -> bool:
-        """Whether an add adds a smaller, broadcast value (a bias) to a matmul's result."""
-        a, b = eqn.invars
-        if isinstance(a, jc.Literal) or a not in self.lowered:
-            a, b = b, a
-        if isinstance(a, jc.Literal) or a not in self.lowered or isinstance(b, jc.Literal):
-            return False
-        return is_float_dtype(b.aval.dtype) and (n_elements(b) < n_elements(a) or b in self.spread)
-
-    def held_kind(self, v: Any) -> int:
-        return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
-
-    def marks(self, v: Any) -> Marks:
-        """What is known of `v` that an inlined call and its caller hand each other."""
-        if isinstance(v, jc.Literal):
-            return Marks(False, False, {})
-        twins = {d: t for (u, d), t in self.twins.items() if u is v}
-        return Marks(v in self.index, v in self.carried, twins, v in self.island, self.is_param(v))
-
-    def mark(self, v: Any, marks: Marks) -> None:
-        """Records `marks` (see `marks`) for `v`."""
-        if marks.is_index:
-            self.index.add(v)
-        if marks.is_carried:
-            self.carried.add(v)
-        for dtype, twin in marks.twins.items():
-            self.twins[(v, dtype)] = twin
-        if marks.in_island:
-            self.island.add(v)
-
-    def mark_results(self, eqn: Any, marks: list[Marks]) -> None:
-        """Records what a call's body learnt of its results (see `mark`) for `eqn`'s outputs."""
-        for v, m in zip(eqn.outvars, marks, strict=True):
-            if not isinstance(v, jc.DropVar):
-                self.mark(v, m)
-
-    def is_carried(self, v: Any) -> bool:
-        return not isinstance(v, jc.Literal) and v in self.carried
-
-    def tag_island(self, eqn: Any, invals: list[Any], out: Any) -> Any:
-        """`out`, named ISLAND if `eqn` extends a float32 island: a float32 result of an
-        elementwise op, a reduction or a move whose float operands are half values (cast up
-        for it), island values, params or smaller than the result (a norm's statistics
-        broadcast back), one at least a half or island value. In a remat region (see
-        remat_islands) the backward pass recomputes it from those operands, so
-        what is kept is the half value the island started from: float32 forward values at the
-        memory of the half program. Forward values are unchanged."""
-        v = eqn.outvars[0]
-        if (
-            (eqn.primitive.name not in ISLAND_OPS and not is_island_call(eqn))
-            or len(eqn.outvars) != 1
-            or isinstance(v, jc.DropVar)
-            or not isinstance(out, jax.core.Tracer)
-            or not is_float_dtype(out.dtype)
-            or np.dtype(out.dtype) != np.float32
-        ):
-            return out
-        grows = False
-        for u, x in zip(eqn.invars, invals, strict=True):
-            if isinstance(u, jc.Literal) or not is_float_dtype(getattr(x, "dtype", np.int32)):
-                continue
-            if u in self.island or np.dtype(x.dtype).itemsize < 4:
-                grows = True
-            elif not (self.is_static(u) or self.is_param(u) or n_elements(u) < n_elements(v)):
-                return out  # a float32 activation of its own: nothing to recompute from
-        if not grows:
-            return out
-        self.island.add(v)
-        return checkpoint_name(out, ISLAND)
-
-    def is_param(self, v: Any) -> bool:
-        """Whether `v` is an input of the jaxpr, moved by shape ops at most: a param, whose
-        gradient the policy's reduce dtype governs (not an activation)."""
-        return not isinstance(v, jc.Literal) and self.source(v) in self.args
-
-    def source(self, v: Any) -> Any:
-        """The value `v` was moved from by shape ops (itself if none)."""
-        return v if isinstance(v, jc.Literal) else self.origin.get(v, v)
-
-    def is_inert(self, v: Any) -> bool:
-        return isinstance(v, jc.Literal) or v in self.inert
-
-    def _saturate(self, v: Any, dtype: np.dtype) -> bool:
-        """Whether a cast of `v` clamps: only an inert value not known to fit."""
-        if not self.is_inert(v):
-            return False
-        return beyond(self.known_value(v), dtype)
-
-    def saturate_fills(self, eqn: Any, invals: list[Any], half: np.dtype) -> list[Any]:
-        """A fill op's known constants beyond `half`'s range, clamped to it in their own dtype:
-        at O3 the program runs as if written in half, where jnp.where(mask, x,
-        finfo(dtype).min) fills with the half's minimum, even where the where itself runs in
-        float32 (its result decides something, as a masked softmax's maximum does)."""
-        out = list(invals)
-        for i, v in enumerate(eqn.invars):
-            known = self.known_value(v)
-            if known is None or not is_float_dtype(v.aval.dtype) or not beyond(known, half):
-                continue
-            lim = dtype_max(half)
-            fill = np.where(np.isfinite(known), np.clip(known, -lim, lim), known)
-            out[i] = jc.convert(np.asarray(fill, v.aval.dtype), v.aval.dtype, v.aval.weak_type)
-        return out
-
-
-def _known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
-    """The values of an equation on trace-time constants, when small (to check casts)."""
-    name = eqn.primitive.name
-    if any(k is None for k in known) or not (name in ops.KNOWN_OPS or name in SHAPE_OPS):
-        return None
-    if any(int(np.prod(v.aval.shape)) > _KNOWN_LIMIT for v in eqn.outvars):
-        return None
-    try:
-        with jax.ensure_compile_time_eval():
-            out = jc.bind(eqn.primitive, list(known), eqn.params)
-        outs = out if eqn.primitive.multiple_results else [out]
-        return [np.asarray(o) for o in outs]
-    except Exception:  # a primitive that cannot run eagerly here: the value stays unknown
-        return None
-
-
 def _eval_jaxpr(
     ctx: Context,
     jaxpr: Any,
@@ -478,7 +148,7 @@ def _eval_jaxpr(
     traceback: Any = None,
 ) -> tuple[list[Any], list[int], list[Marks]]:
     """Evaluates `jaxpr` under the policy; returns its outputs, which are held in float32, and
-    and their marks (see _Env.marks).
+    and their marks (see Values.marks).
 
     `inputs` are what the caller knows of the inputs (see InputFacts); None: nothing.
 
@@ -486,7 +156,7 @@ def _eval_jaxpr(
     a cached trace made elsewhere.
     """
     facts = analyze(ctx, jaxpr, out_flags or (NO_USE,) * len(jaxpr.outvars), mode)
-    env = _Env()
+    env = Values()
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env.vals[v] = x
         env.static.add(v)
@@ -497,7 +167,7 @@ def _eval_jaxpr(
             and not isinstance(x, jax.core.Tracer)
             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)  # keys: no numbers
         ):
-            if np.size(x) <= _KNOWN_LIMIT:
+            if np.size(x) <= KNOWN_LIMIT:
                 env.known[v] = np.asarray(x)
     # An inlined call's inputs are params where the caller's operands are (a jitted loss's
     # logits are an activation, not a param table), the jaxpr's own inputs otherwise.
@@ -524,7 +194,7 @@ def _eval_jaxpr(
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
         tb = traceback if traceback is not None else eqn.source_info.traceback
-        if traceback is not None and _SHADOW_CACHE.get() and jc.summarize_source(eqn.source_info):
+        if traceback is not None and SHADOW_CACHE.get() and jc.summarize_source(eqn.source_info):
             tb = eqn.source_info.traceback  # see for_shadow: a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
@@ -536,10 +206,6 @@ def _eval_jaxpr(
 
     outs = interpret.forward(jaxpr, env, step)
     return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.marks(v) for v in jaxpr.outvars]
-
-
-# Ops whose result is still the loop's carry when an operand is: updates and moves.
-_CARRY_PASS = ops.having(Trait.CARRIES | Trait.MOVES | Trait.PASSES | Trait.CAST)
 
 
 def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
@@ -771,7 +437,7 @@ def _eval_call(
     body: tuple[Any, list[Any]],
     invals: list[Any],
     eqn: Any,
-    env: _Env,
+    env: Values,
     facts: Facts,
     mode: Any,
     tb: Any,
@@ -805,7 +471,7 @@ def _eval_remat(
     ctx: Context,
     eqn: Any,
     invals: list[Any],
-    env: _Env,
+    env: Values,
     facts: Facts,
     mode: Any,
     tb: Any,
@@ -864,7 +530,7 @@ def _results(eqn: Any, out: Any, hold: int = Hold.NONE) -> tuple[list[Any], list
 
 @RULES.register(*INLINE_CALLS)
 def _inline_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     closed = interpret.call_body(eqn, INLINE_CALLS)
     body = (closed.jaxpr, list(closed.consts))
@@ -877,7 +543,7 @@ def _inline_rule(
 
 @RULES.register(*interpret.REMATS)
 def _remat_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     if not eqn.params.get("differentiated", True):
         return _eval_remat(ctx, eqn, invals, env, facts, mode, tb)
@@ -886,7 +552,7 @@ def _remat_rule(
 
 @RULES.register(*_CUSTOM_CALLS, "scan", "while", "cond", "shard_map")
 def _rebuild_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     name = eqn.primitive.name
     static, held, carried = env.operand_facts(eqn)
@@ -911,7 +577,7 @@ def _rebuild_rule(
 
 @RULES.set_higher_order
 def _untouched_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A higher-order primitive autocast does not know, or leaves alone by design: as traced."""
     name = eqn.primitive.name
@@ -944,7 +610,7 @@ def bind_with_bodies(
     ctx: Context,
     eqn: Any,
     invals: list[Any],
-    env: _Env,
+    env: Values,
     facts: Facts,
     mode: Any,
     tb: Any,
@@ -965,7 +631,7 @@ def bind_with_bodies(
 
 @RULES.set_default
 def _primitive_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A first-order equation under the dtype rule (rules.target_dtype)."""
     name = eqn.primitive.name
@@ -1000,7 +666,7 @@ def _primitive_rule(
 
 
 def _decide(
-    ctx: Context, eqn: Any, vals: list[Any], env: _Env, facts: Facts, mode: Any, operands: Any
+    ctx: Context, eqn: Any, vals: list[Any], env: Values, facts: Facts, mode: Any, operands: Any
 ) -> Any:
     """rules.target_dtype's decision for `eqn`, from what `env` and `facts` know of its
     operands (`operands`: their static, held and carried facts) and results."""
@@ -1055,11 +721,13 @@ class _WideSums(NamedTuple):
         return cls(sums, grads)
 
 
-def _keep(eqn: Any, invals: list[Any], env: _Env, facts: Facts, mode: Any, wide: _WideSums) -> Any:
+def _keep(
+    eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, wide: _WideSums
+) -> Any:
     """`eqn` (data movement) on its operands as they are, in their dtypes."""
     name = eqn.primitive.name
     param = bool(eqn.invars) and env.is_param(eqn.invars[0])
-    if (wide.sums or (wide.grads and param)) and _grows_half(eqn, invals):
+    if (wide.sums or (wide.grads and param)) and grows_half(eqn, invals):
         # A broadcast that grows a half value: its transpose sums the cotangent over the new
         # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
         # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
@@ -1087,7 +755,7 @@ def _cast_and_bind(
     eqn: Any,
     vals: list[Any],
     invals: list[Any],
-    env: _Env,
+    env: Values,
     mode: Any,
     decision: Any,
     wide: _WideSums,
@@ -1126,7 +794,7 @@ def _cast_and_bind(
         # and the all-reduce a partitioner puts on it, are float32.
         operands = [x if w else c for x, c, w in zip(vals, cast_vals, wide_dot, strict=True)]
         avals = tuple(jc.aval_of(x) for x in operands)
-        out = _dot_wide_grads(params, np.dtype(target), tuple(wide_dot), avals)(*operands)
+        out = dot_wide_grads(params, np.dtype(target), tuple(wide_dot), avals)(*operands)
     else:
         out = jc.bind(eqn.primitive, cast_vals, params)
     if params.get("preferred_element_type") not in (None, np.dtype(target)):
@@ -1136,111 +804,10 @@ def _cast_and_bind(
     return out, hold
 
 
-# Data movement: a cast commutes with it, so it can run on the half cast (see _Env.move).
+# Data movement: a cast commutes with it, so it can run on the half cast (see Values.move).
 # Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
 # a reshard; on JAX 0.6 a gather between two mesh_casts).
 _MOVES = ops.having(Trait.CAST_FIRST)
-
-
-def _gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable[..., Any]:
-    """gather(x.astype(half), indices), differentiated as gather(x, indices) then the cast:
-    the cotangent goes up to float32 and scatter-adds there, so the rows an embedding lookup
-    takes many times sum in float32. `x_aval` is x's type."""
-    gather = lambda x, idx: jc.bind(lax.gather_p, [x, idx], params)
-
-    @jax.custom_vjp
-    def f(x: Any, idx: Any) -> Any:
-        return gather(jc.convert(x, half), idx)
-
-    def fwd(x: Any, idx: Any) -> Any:
-        return f(x, idx), idx
-
-    def bwd(idx: Any, ct: Any) -> Any:
-        (dx,) = jax.linear_transpose(lambda x: gather(x, idx), x_aval)(ct.astype(x_aval.dtype))
-        return dx, None
-
-    f.defvjp(fwd, bwd)
-    return f
-
-
-def _dot_wide_grads(
-    params: dict[str, Any], half: np.dtype, wide: tuple[bool, ...], avals: tuple[Any, ...]
-) -> Callable[..., Any]:
-    """dot_general(a, b) in `half`, where the operands `wide` marks are float32 and cast to
-    `half` inside; their cotangents come from half matmuls that write float32 (tensor cores
-    accumulate in float32 anyway), not from half ones cast up. The residuals are the half
-    operands, as the plain half matmul's. `avals` are the operands' types."""
-    dims = params["dimension_numbers"]
-    a_aval, b_aval = avals
-    dot = lambda a, b, out: jc.bind(
-        lax.dot_general_p, [a, b], {**params, "preferred_element_type": out}
-    )
-
-    @jax.custom_vjp
-    def f(a: Any, b: Any) -> Any:
-        return dot(jc.convert(a, half), jc.convert(b, half), half)
-
-    def fwd(a: Any, b: Any) -> Any:
-        a_h, b_h = jc.convert(a, half), jc.convert(b, half)
-        return dot(a_h, b_h, half), (a_h, b_h)
-
-    def bwd(res: Any, g: Any) -> Any:
-        a_h, b_h = res
-        _, vjp = jax.vjp(lambda a, b: dot(a, b, half), a_h, b_h)
-        da, db = vjp(g)
-        if wide[0]:
-            da = _dot_transpose_lhs(g, a_aval, b_h, dims, params)
-        if wide[1]:
-            (a_c, b_c), (a_b, b_b) = dims
-            db = _dot_transpose_lhs(g, b_aval, a_h, ((b_c, a_c), (b_b, a_b)), params, swap=True)
-        return jc.convert(da, a_aval.dtype), jc.convert(db, b_aval.dtype)
-
-    f.defvjp(fwd, bwd)
-    return f
-
-
-def _dot_transpose_lhs(
-    g: Any, x_aval: Any, y: Any, dims: Any, params: dict[str, Any], swap: bool = False
-) -> Any:
-    """The cotangent of dot_general's left operand (of type `x_aval`), summed in float32 from
-    the half `g` and `y`: JAX's own transpose rule (jax/_src/lax/lax.py,
-    _dot_general_transpose_lhs, Apache-2.0), with a float32 result."""
-    (x_contract, y_contract), (x_batch, y_batch) = dims
-    x_kept = [i for i in range(len(x_aval.shape)) if i not in (*x_contract, *x_batch)]
-    y_kept = [i for i in range(np.ndim(y)) if i not in (*y_contract, *y_batch)]
-    nb = len(x_batch)
-    if swap:
-        ans_y = list(range(nb, nb + len(y_kept)))
-    else:
-        ans_y = list(range(nb + len(x_kept), nb + len(x_kept) + len(y_kept)))
-    ans_batch = list(range(nb))
-    new_dims = ((tuple(ans_y), tuple(y_kept)), (tuple(ans_batch), tuple(y_batch)))
-    x_contract_by_y = [int(i) for i in np.take(x_contract, np.argsort(y_contract))]
-    unsorted = list(x_batch) + x_kept + x_contract_by_y
-    out_params = {
-        **params,
-        "dimension_numbers": new_dims,
-        "preferred_element_type": np.dtype(np.float32),
-    }
-    if "out_sharding" in params:
-        out_params["out_sharding"] = jc.permuted_sharding(x_aval, unsorted)
-    half_dot = lambda g, y: jc.bind(lax.dot_general_p, [g, y], out_params)
-    # XLA's CPU runtime rejects some fused half x half = float32 dots ("Unsupported element
-    # type for DotThunk"); there the operands go up to float32 first, exactly (CPUs compute
-    # half matmuls in float32 anyway).
-    wide_dot = lambda g, y: half_dot(jc.convert(g, np.float32), jc.convert(y, np.float32))
-    out = lax.platform_dependent(g, y, cpu=wide_dot, default=half_dot)
-    return lax.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
-
-
-def _grows_half(eqn: Any, invals: list[Any]) -> bool:
-    """Whether `eqn` broadcasts a half value to more elements."""
-    if eqn.primitive.name != "broadcast_in_dim" or n_elements(eqn.outvars[0]) <= n_elements(
-        eqn.invars[0]
-    ):
-        return False
-    dtype = getattr(invals[0], "dtype", None)
-    return dtype is not None and is_float_dtype(dtype) and np.dtype(dtype).itemsize < 4
 
 
 def _is_value(x: Any) -> bool:
@@ -1438,10 +1005,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-# The cache that autocast's traces go to ("" outside for_shadow; see for_shadow).
-_SHADOW_CACHE: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_shadow", default="")
-
-
 @contextlib.contextmanager
 def for_shadow(cache: str) -> Iterator[None]:
     """Autocast traces made inside are for a float32 shadow (mpjax.compare's): they are cached
@@ -1452,16 +1015,16 @@ def for_shadow(cache: str) -> Iterator[None]:
     lines, so the shadow's rows name them."""
     if not cache:
         raise ValueError("for_shadow needs a non-empty cache name")
-    token = _SHADOW_CACHE.set(cache)
+    token = SHADOW_CACHE.set(cache)
     try:
         yield
     finally:
-        _SHADOW_CACHE.reset(token)
+        SHADOW_CACHE.reset(token)
 
 
 # True while a custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
 # linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
-# reductions that need one (_dot_wide_grads, _gather_half) keep JAX's own rules there.
+# reductions that need one (dot_wide_grads, gather_half) keep JAX's own rules there.
 IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("mpjax_in_rule", default=False)
 
 
@@ -1486,7 +1049,7 @@ def _signature(treedef: Any, leaves: list[Any], dynamic: list[int]) -> Any:
         hash(avals)
     except TypeError:
         return None
-    return (treedef, static, avals, str(jc.current_name_stack()), _SHADOW_CACHE.get())
+    return (treedef, static, avals, str(jc.current_name_stack()), SHADOW_CACHE.get())
 
 
 class _Entry:

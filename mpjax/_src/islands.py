@@ -17,7 +17,7 @@ from mpjax._src import ops
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.ops import Trait
 
-# Float32 islands (see _Env.tag_island): the ops that extend one, the name its values carry,
+# Float32 islands (see Values.tag_island): the ops that extend one, the name its values carry,
 # and the remat policy that recomputes them for the backward pass instead of keeping them.
 ISLAND = "mpjax_float32_island"
 ISLAND_OPS = ops.having(Trait.ISLAND)
@@ -222,7 +222,7 @@ def _is_half_cast(eqn: Any, up: bool) -> bool:
 
 
 def remat_islands(closed: Any, context: Any = None) -> Any:
-    """`closed` with each run of float32-island equations (see _Env.tag_island: the ops whose
+    """`closed` with each run of float32-island equations (see Values.tag_island: the ops whose
     results are named ISLAND, and those names) under ``jax.checkpoint`` that saves only the
     island's statistics (see STATISTIC): the backward pass recomputes the rest of the island
     from the half values it started from instead of keeping its float32 values. Forward

@@ -34,7 +34,7 @@ class Trait(enum.Flag):
     # saving converts, this keeps backward reductions in float32: the transpose of broadcasting
     # a float32 bias is a float32 sum of the half cotangent, not a half sum.
     MOVES = enum.auto()
-    # A cast commutes with it, so it can run on the half cast (see _Env.move); resharding ops
+    # A cast commutes with it, so it can run on the half cast (see Values.move); resharding ops
     # move the value between devices.
     CAST_FIRST = enum.auto()
     # Is the cast itself.
