@@ -547,11 +547,15 @@ def test_eager_and_jit_agree(mode, rng):
             jitted = jax.jit(step)(*jitted, g)
         if exact:  # the same float32 sums, rounded alike
             assert_trees_bit_identical(eager, jitted)
-        else:  # within a half ulp
+        else:
+            # Within a half ulp when rounding to nearest; within one where it is stochastic: a
+            # float32 sum that differs by an FMA's rounding can fall on the other side of the
+            # same random threshold (seen: 1 of 1024 weights, seed 221546915804415521).
+            rtol = 2**-7 if mode == "stochastic" else 2**-8
             for a, b in zip(eager[0], jitted[0]):
                 for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
                     np.testing.assert_allclose(
-                        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=2**-8
+                        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol
                     )
 
 
