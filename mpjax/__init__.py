@@ -6,7 +6,7 @@ transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp'
 
 from mpjax._src.audit import audit
 from mpjax._src.audit_report import AuditReport
-from mpjax._src.autocast import autocast
+from mpjax._src.autocast_api import autocast
 from mpjax._src.compare import compare
 from mpjax._src.compare_report import CompareReport
 from mpjax._src.f32_search import F32Rules, find_f32_rules

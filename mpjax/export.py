@@ -26,7 +26,7 @@ from jax import export as jax_export  # JAX 0.6 does not load it as an attribute
 
 from mpjax._src import interpret
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast import autocast
+from mpjax._src.autocast_api import autocast
 from mpjax._src.policy import Policy
 from mpjax._src.rules import SHAPE_OPS
 

@@ -30,7 +30,7 @@ from flax.training import train_state
 
 from mpjax._src import hardware, transform
 from mpjax._src import loss_scale as ls_lib
-from mpjax._src.autocast import autocast
+from mpjax._src.autocast_api import autocast
 from mpjax._src.fp8 import FP8Policy
 from mpjax._src.policy import Policy, cast_floating
 from mpjax._src.regions import F32_REGION, region_key

@@ -12,7 +12,8 @@ import jax
 from mpjax._src.audit_hlo import compile_text, parse_compiled, partitioned_collectives
 from mpjax._src.audit_report import AuditReport
 from mpjax._src.audit_stablehlo import read_module
-from mpjax._src.autocast import flat_call, is_dynamic
+from mpjax._src.autocast_api import flat_call
+from mpjax._src.values import is_dynamic
 
 
 def _lower(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:

@@ -16,7 +16,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
-from mpjax._src import interpret, transform
+from mpjax._src import autocast_api, interpret, transform
 from mpjax._src.policy import Policy, is_float8
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -673,9 +673,9 @@ class _Sites:
 
 
 def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
-    closed, out_tree, dyn = autocast_lib.trace_call(fn, args, {})
+    closed, out_tree, dyn = autocast_api.trace_call(fn, args, {})
     ctx = autocast_lib.Context(pol.base, {}, rules=sites.rules())
-    return jax.tree_util.tree_unflatten(out_tree, autocast_lib.evaluate(ctx, closed, dyn))
+    return jax.tree_util.tree_unflatten(out_tree, autocast_api.evaluate(ctx, closed, dyn))
 
 
 def _check(pol: Any) -> FP8Policy:

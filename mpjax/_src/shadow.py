@@ -14,12 +14,12 @@ import numpy as np
 from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.audit_report import short_source
-from mpjax._src.autocast import scatter_update
 from mpjax._src.compare_metric import relative_error
 from mpjax._src.dtypes import is_float
 from mpjax._src.nonfinite import nonfinite_kind
 from mpjax._src.ops import Trait
 from mpjax._src.rules import TRACED_DTYPE_OPS
+from mpjax._src.values import scatter_update
 
 # Ops that only move data: their error is their input's, so they get no row.
 MOVES = ops.having(Trait.MOVES | Trait.PASSES)

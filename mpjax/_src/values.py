@@ -68,7 +68,7 @@ class Marks(NamedTuple):
 
 
 class InputFacts(NamedTuple):
-    """What a caller knows of one input of a jaxpr it evaluates (see _eval_jaxpr)."""
+    """What a caller knows of one input of a jaxpr it evaluates (see autocast.eval_jaxpr)."""
 
     static: bool | None = None  # computed without float inputs; None: unless it is a float
     held: int = Hold.NONE  # whether, and why, it is held in float32
@@ -357,3 +357,58 @@ CARRY_PASS = ops.having(Trait.CARRIES | Trait.MOVES | Trait.PASSES | Trait.CAST)
 
 # The cache that autocast's traces go to ("" outside for_shadow; see for_shadow).
 SHADOW_CACHE: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_shadow", default="")
+
+
+# -- an equation's params for operands cast to a new dtype ----------------------------------
+
+
+def scatter_update(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
+    """A scatter's combiner (``update_jaxpr``: add, mul, min or max of two scalars) traced at
+    `dtype`, which its lowering requires to match the operands'."""
+    closed = jc.ClosedJaxpr(params["update_jaxpr"], list(params.get("update_consts", ())))
+    if all(np.dtype(v.aval.dtype) == dtype for v in closed.jaxpr.invars):
+        return {}
+    scalar = jax.ShapeDtypeStruct((), dtype)
+    rebuilt = jc.trace(jc.jaxpr_as_fun(closed), [jc.aval_of(scalar)] * len(closed.jaxpr.invars))
+    return {"update_jaxpr": rebuilt.jaxpr, "update_consts": tuple(rebuilt.consts)}
+
+
+def params_at(eqn: Any, target: Any) -> dict[str, Any]:
+    """A matmul's output dtype follows its (cast) operands, unless the program asked for a
+    result wider than every operand it traced (``preferred_element_type=jnp.float32`` on half
+    operands: half inputs, float32 accumulation and result), which is kept."""
+    params = eqn.params
+    if params.get("update_jaxpr") is not None and target is not None:
+        return {**params, **scatter_update(params, np.dtype(target))}
+    pref = params.get("preferred_element_type")
+    if pref is None or not is_float_dtype(pref) or target is None:
+        return params
+    widths = [np.dtype(v.aval.dtype).itemsize for v in eqn.invars if is_float_dtype(v.aval.dtype)]
+    if widths and np.dtype(pref).itemsize > max(widths):
+        return params
+    return {**params, "preferred_element_type": np.dtype(target)}
+
+
+# -- a call's arguments: arrays (traced) and the rest (static) -------------------------------
+
+
+def is_value(x: Any) -> bool:
+    """Whether a rule's output is a value to trace (not a symbolic zero or None)."""
+    return is_dynamic(x) or isinstance(x, (int, float, complex))
+
+
+def is_dynamic(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def dynamic_leaves(leaves: Any) -> list[int]:
+    """The positions of the array leaves; the others are static (baked into the trace)."""
+    return [i for i, x in enumerate(leaves) if is_dynamic(x)]
+
+
+def fill_dynamic(leaves: Any, dynamic: list[int], dyn: Any) -> list[Any]:
+    """`leaves` with the dynamic ones replaced by `dyn`."""
+    full = list(leaves)
+    for i, x in zip(dynamic, dyn, strict=True):
+        full[i] = x
+    return full
