@@ -10,6 +10,7 @@ from mpjax._src.autocast_api import autocast
 from mpjax._src.compare import compare
 from mpjax._src.compare_report import CompareReport
 from mpjax._src.f32_search import F32Rules, find_f32_rules
+from mpjax._src.gradients import accumulate_gradients, all_reduce_gradients
 from mpjax._src.half_params import HalfUpdatesState, half_updates, stochastic_round
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
@@ -39,8 +40,6 @@ from mpjax._src.transform import (
     InexactSkipWarning,
     LossScaleState,
     NonFiniteLeaves,
-    accumulate_gradients,
-    all_reduce_gradients,
     get_loss_scale,
     loss_scale,
     loss_scale_metrics,

@@ -10,16 +10,15 @@ from mpjax._src.fp8 import (
     FP8State,
     apply,
     describe,
-    fp8_dot_general,
     init,
     merge,
     policy,
-    qdq,
     scaled_value_and_grad,
     update,
 )
 from mpjax._src.fp8 import fp8_max as fp8_max  # renamed: warns, one release
 from mpjax._src.fp8 import value_and_grad as value_and_grad  # renamed: warns, one release
+from mpjax._src.fp8_dot import fp8_dot_general, qdq
 
 __all__ = (
     "apply",

@@ -1,5 +1,6 @@
 """The code's shape, checked from its source: mpjax's modules import each other without a
-circle (type-only imports included), and no function is over 100 lines, docstring aside."""
+circle (type-only imports included), no module is over 800 lines and no function over 100,
+docstring aside."""
 
 from __future__ import annotations
 
@@ -88,3 +89,9 @@ def _long_functions(limit: int) -> list[tuple[int, str]]:
 def test_no_function_is_over_100_lines_docstring_aside():
     assert _long_functions(60), "the measure finds long functions"  # the reading works
     assert not _long_functions(100), _long_functions(100)
+
+
+def test_no_module_is_over_800_lines():
+    sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
+    assert max(sizes.values()) > 400  # the reading works
+    assert not {n: k for n, k in sizes.items() if k > 800}

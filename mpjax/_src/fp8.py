@@ -17,12 +17,21 @@ from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
 from mpjax._src import autocast_api, interpret, transform
+from mpjax._src.fp8_dot import (
+    E4M3,
+    E5M2,
+    GRAD,
+    INPUT,
+    KERNEL,
+    check_scale,
+    finite_max,
+    fp8_dot_current,
+    fp8_dot_general,
+    fp8_dot_rows,
+    scale_of,
+)
 from mpjax._src.policy import Policy, is_float8
 
-E4M3 = np.dtype(jnp.float8_e4m3fn)
-E5M2 = np.dtype(jnp.float8_e5m2)
-# The three tensors of a dot site: activations and weights (forward), gradients (backward).
-INPUT, KERNEL, GRAD = 0, 1, 2
 _ROLES = 3
 _ALIGN = 16  # tensor cores take FP8 matrices whose dimensions are multiples of 16
 
@@ -223,240 +232,9 @@ def policy(
     return FP8Policy(Policy.from_level(level, half_dtype), recipe or DelayedScaling())
 
 
-# -- quantization --------------------------------------------------------------------------------
-
-
-def _fp8_max(dtype: Any) -> float:
-    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-    return float(jnp.finfo(dtype).max)
-
-
-def qdq(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
-    """Quantizes `x` to `q_dtype` with `scale` (saturating) and dequantizes it to x's dtype.
-
-    The same arithmetic as ``flax.linen.fp8_ops.qdq(x, q_dtype, 1 / scale, x.dtype)``: flax
-    keeps the inverse (dequantization) scale, mpjax keeps TransformerEngine's.
-
-    Args:
-      x: a floating array.
-      q_dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
-      scale: a scalar: ``x * scale`` is what is stored in FP8.
-
-    Returns:
-      ``x`` rounded through FP8, in x's dtype.
-
-    Example:
-      >>> import jax.numpy as jnp, mpjax.fp8
-      >>> x = jnp.array([1.0, 0.3, 1000.0])
-      >>> mpjax.fp8.qdq(x, jnp.float8_e4m3fn, jnp.float32(1.0)).tolist()
-      [1.0, 0.3125, 448.0]
-    """
-    _check_scale(scale, "qdq's scale")
-    dt = x.dtype
-    inv = (1.0 / scale.astype(jnp.float32)).astype(dt)
-    lim = jnp.asarray(_fp8_max(q_dtype), dt)
-    q = jnp.clip(x / jnp.broadcast_to(inv, x.shape), -lim, lim).astype(q_dtype)
-    return q.astype(dt) * jnp.broadcast_to(inv, x.shape)
-
-
-def _amax(x: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def fp8_dot_general(
-    dimension_numbers: Any,
-    precision: Any,
-    preferred_element_type: Any,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    scale: jax.Array,
-    amax_sink: jax.Array,
-) -> jax.Array:
-    """``lax.dot_general`` through FP8 (HYBRID): E4M3 operands, E5M2 output gradient.
-
-    `scale` holds the input, kernel and gradient scales (float32 ``[3]``). `amax_sink` is
-    a float32 ``[3]`` value that only serves to carry amaxes out: its gradient is
-    ``[amax(lhs), amax(rhs), amax(output gradient)]``, each with the gradient of this one dot.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, mpjax.fp8
-      >>> x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
-      >>> dims = (((1,), (0,)), ((), ()))
-      >>> f = lambda x, s: mpjax.fp8.fp8_dot_general(dims, None, None, x, w, jnp.ones(3), s)
-      >>> jax.grad(lambda s: f(x, s).sum() * 0.5, )(jnp.zeros(3))
-      Array([1. , 1. , 0.5], dtype=float32)
-    """
-    out, _ = _fp8_fwd(dimension_numbers, precision, preferred_element_type, lhs, rhs, scale,
-                      amax_sink)  # fmt: skip
-    return out
-
-
-def quantize(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
-    """``x * scale`` rounded to `q_dtype`, saturating at its largest finite value."""
-    lim = _fp8_max(q_dtype)
-    scaled = x.astype(jnp.float32) * scale.astype(jnp.float32)
-    return jnp.clip(scaled, -lim, lim).astype(q_dtype)
-
-
-def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
-    gone = {i for r in removed for i in r}
-    return [i for i in range(n) if i not in gone]
-
-
-def _transpose_lhs(
-    g: jax.Array, lhs_ndim: int, rhs: jax.Array, dims: Any, swap: bool, out: Any
-) -> Any:
-    """The cotangent of a dot_general's lhs for output cotangent `g`, as a dot of float8
-    operands with result type `out` (JAX's own transpose rule, ``_dot_general_transpose_lhs``,
-    which would give the result the operand's type: float8)."""
-    (lc, rc), (lb, rb) = dims
-    lkept = _remaining(lhs_ndim, lc, lb)
-    rkept = _remaining(rhs.ndim, rc, rb)
-    nb = len(lb)
-    # The output's axes are (batch, lhs kept, rhs kept), or (batch, rhs kept, lhs kept) for
-    # the rhs's cotangent, which calls this with the operands swapped.
-    first = nb if swap else nb + len(lkept)
-    ans_r = tuple(range(first, first + len(rkept)))
-    new_dims = ((ans_r, tuple(rkept)), (tuple(range(nb)), tuple(rb)))
-    lc_by_r = [lc[i] for i in np.argsort(rc)]
-    out_axes = np.argsort(list(lb) + lkept + lc_by_r)
-    res = lax.dot_general(g, rhs, new_dims, preferred_element_type=out)
-    return lax.transpose(res, tuple(int(a) for a in out_axes))
-
-
-def _fp8_fwd(
-    dims: Any, precision: Any, pref: Any, lhs: Any, rhs: Any, scale: Any, amax_sink: Any
-) -> tuple[jax.Array, Any]:
-    # The dot takes float8 operands and writes the half (or float32) result, which the
-    # scales then multiply; XLA folds them into the gemm's epilogue. XLA's GPU pipeline runs
-    # such a dot as an FP8 gemm (cuBLASLt or Triton) with no pattern to match
-    # (TransformerEngine's and Flax's quantize-dequantize pairs are lost to run-time scales).
-    # The float8 operands are the residuals.
-    del amax_sink, precision
-    lq = quantize(lhs, E4M3, scale[INPUT])
-    rq = quantize(rhs, E4M3, scale[KERNEL])
-    out_dtype = pref or jnp.result_type(lhs, rhs)
-    acc = lax.dot_general(lq, rq, dims, preferred_element_type=out_dtype)
-    out = acc * (1.0 / (scale[INPUT] * scale[KERNEL])).astype(out_dtype)
-    like = (jnp.zeros([], lhs.dtype), jnp.zeros([], rhs.dtype))  # the cotangents' dtypes
-    return out, (lq, rq, scale, _amax(lhs), _amax(rhs), *like)
-
-
-def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tuple[Any, ...]:
-    lq, rq, scale, amax_l, amax_r, l_like, r_like = res
-    gq = quantize(g, E5M2, scale[GRAD])
-    (lc, rc), (lb, rb) = dims
-    # As forward: each cotangent in its operand's dtype, the scales folded into the gemm.
-    ldt, rdt = l_like.dtype, r_like.dtype
-    dl = _transpose_lhs(gq, lq.ndim, rq, dims, False, ldt)
-    dl = dl * (1.0 / (scale[GRAD] * scale[KERNEL])).astype(ldt)
-    swapped = ((rc, lc), (rb, lb))
-    dr = _transpose_lhs(gq, rq.ndim, lq, swapped, True, rdt)
-    dr = dr * (1.0 / (scale[GRAD] * scale[INPUT])).astype(rdt)
-    amaxes = jnp.stack([amax_l, amax_r, _amax(g)])
-    return dl, dr, jnp.zeros_like(scale), amaxes
-
-
-fp8_dot_general.defvjp(_fp8_fwd, _fp8_bwd)
-
-
-def _scale_of(amax: jax.Array, fp8_max: Any, margin: int, fallback: Any) -> Any:
-    """``fp8_max / amax / 2**margin``, and `fallback` where the amax is zero or not finite
-    (TransformerEngine's rule); and where it was not."""
-    ok = (amax > 0.0) & jnp.isfinite(amax)
-    return jnp.where(ok, fp8_max / jnp.where(ok, amax, 1.0) / 2.0**margin, fallback), ok
-
-
-def _current_scale(amax: jax.Array, q_dtype: Any, margin: int) -> jax.Array:
-    return _scale_of(amax, _fp8_max(q_dtype), margin, 1.0)[0]
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _fp8_dot_current(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
-    """fp8_dot_general with current scaling: each tensor's scale from its own amax."""
-    return _current_fwd(dims, pref, margin, lhs, rhs, sink)[0]
-
-
-def _current_fwd(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
-    amax_l, amax_r = _amax(lhs), _amax(rhs)
-    scale = jnp.stack(
-        [
-            _current_scale(amax_l, E4M3, margin),
-            _current_scale(amax_r, E4M3, margin),
-            jnp.float32(1.0),  # the gradient's: set from its amax in the backward pass
-        ]
-    )
-    return _fp8_fwd(dims, None, pref, lhs, rhs, scale, sink)
-
-
-def _current_bwd(dims: Any, pref: Any, margin: int, res: Any, g: Any) -> Any:
-    lq, rq, scale, *rest = res
-    scale = scale.at[GRAD].set(_current_scale(_amax(g), E5M2, margin))
-    dl, dr, _, amaxes = _fp8_bwd(dims, None, pref, (lq, rq, scale, *rest), g)
-    return dl, dr, amaxes
-
-
-_fp8_dot_current.defvjp(_current_fwd, _current_bwd)
-
-
-def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin: int, out: Any):
-    """``a @ b`` over [B, ., .] operands, contracting a's `a_axis` with b's `b_axis`, each
-    quantized per row along its contracted axis; the scales multiply the result. Returns the
-    result and each operand's amax (the max of its rows', so each operand is read once)."""
-    row_a = jnp.max(jnp.abs(a), axis=a_axis, keepdims=True).astype(jnp.float32)
-    row_b = jnp.max(jnp.abs(b), axis=b_axis, keepdims=True).astype(jnp.float32)
-    sa, sb = _current_scale(row_a, qa, margin), _current_scale(row_b, qb, margin)
-    acc = lax.dot_general(
-        quantize(a, qa, sa), quantize(b, qb, sb), (((a_axis,), (b_axis,)), ((0,), (0,))),
-        preferred_element_type=out,
-    )  # fmt: skip
-    # The result's axes: a's kept axis, then b's. sa is [B, M, 1] or [B, 1, M]; sb likewise.
-    inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))
-    inv_b = jnp.reshape(1.0 / sb, (sb.shape[0], 1, -1))
-    return acc * (inv_a * inv_b).astype(out), jnp.max(row_a), jnp.max(row_b)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_bmm_rows(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
-    """``a @ b`` for a [B, M, K] and b [B, K, N] through FP8 with per-row current scales."""
-    return _rows_fwd(pref, margin, a, b, sink)[0]
-
-
-def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
-    del sink
-    out, amax_a, amax_b = _row_dot(a, 2, b, 1, E4M3, E4M3, margin, pref)
-    return out, (a, b, amax_a, amax_b)
-
-
-def _rows_bwd(pref: Any, margin: int, res: Any, g: Any) -> Any:
-    a, b, amax_a, amax_b = res
-    da, amax_g, _ = _row_dot(g, 2, b, 2, E5M2, E4M3, margin, a.dtype)  # [B, M, K]: rows
-    db, _, _ = _row_dot(a, 1, g, 1, E4M3, E5M2, margin, b.dtype)  # [B, K, N]: columns
-    return da, db, jnp.stack([amax_a, amax_b, amax_g])
-
-
-_fp8_bmm_rows.defvjp(_rows_fwd, _rows_bwd)
-
-
-def _fp8_dot_rows(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
-    """fp8_dot_general with per-row current scales: the operands laid out as batched
-    matrices [B, M, K] and [B, K, N] (transposes and reshapes, which XLA folds into the
-    gemm's layout), multiplied by _fp8_bmm_rows, and the result laid out as the dot's."""
-    (lc, rc), (lb, rb) = dims
-    lkept, rkept = _remaining(lhs.ndim, lc, lb), _remaining(rhs.ndim, rc, rb)
-    size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
-    batch, m, k, n = size(lhs, lb), size(lhs, lkept), size(lhs, lc), size(rhs, rkept)
-    a = jnp.transpose(lhs, (*lb, *lkept, *lc)).reshape(batch, m, k)
-    b = jnp.transpose(rhs, (*rb, *rc, *rkept)).reshape(batch, k, n)
-    out = _fp8_bmm_rows(pref, margin, a, b, sink)
-    shape = [lhs.shape[d] for d in (*lb, *lkept)] + [rhs.shape[d] for d in rkept]
-    return out.reshape(shape)
-
-
 # -- the recipe ----------------------------------------------------------------------------------
 
-_FP8_MAX = np.array([_fp8_max(E4M3), _fp8_max(E4M3), _fp8_max(E5M2)], np.float32)
+_FP8_MAX = np.array([finite_max(E4M3), finite_max(E4M3), finite_max(E5M2)], np.float32)
 
 
 def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: Recipe) -> Any:
@@ -465,7 +243,7 @@ def _scale_from_history(history: jax.Array, scale: jax.Array, recipe: Recipe) ->
     else:
         amax = history[..., 0]
     # An amax of zero or inf/NaN keeps the previous scale.
-    new, ok = _scale_of(amax, jnp.asarray(_FP8_MAX), recipe.margin, scale)
+    new, ok = scale_of(amax, jnp.asarray(_FP8_MAX), recipe.margin, scale)
     return new.astype(jnp.float32), ok
 
 
@@ -617,7 +395,7 @@ class _Sites:
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
         if self.current is not None:
-            dot = _fp8_dot_rows if self.current.granularity == "row" else _fp8_dot_current
+            dot = fp8_dot_rows if self.current.granularity == "row" else fp8_dot_current
             return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
 
@@ -741,23 +519,8 @@ def _check_state(state: Any, pol: FP8Policy) -> FP8State:
         raise TypeError(f"expected an FP8State from mpjax.fp8.init, got {type(state).__name__}.")
     if state.recipe != pol.recipe:
         raise ValueError("the state was made for another recipe than the policy's.")
-    _check_scale(state.scale, "the FP8 state's scales")
+    check_scale(state.scale, "the FP8 state's scales")
     return state
-
-
-def _check_scale(scale: Any, what: str) -> None:
-    """A concrete scale that is zero, negative or not finite is refused (a traced one is
-    what mpjax.fp8 computes: never such, see _scale_of)."""
-    if isinstance(scale, jax.core.Tracer) or scale is None:
-        return
-    values = np.asarray(scale, np.float32)
-    if values.size and not (np.all(np.isfinite(values)) and np.all(values > 0)):
-        raise ValueError(
-            f"{what} must be positive and finite, got {values.min()} to {values.max()}: a "
-            "scale multiplies the values stored in FP8, so zero or inf loses them. Make the "
-            "state with mpjax.fp8.init (scales start at 1 and follow the amaxes), or restore "
-            "it from the checkpoint it came from."
-        )
 
 
 def _num_mismatch(expected: int, got: int) -> ValueError:
@@ -924,4 +687,4 @@ value_and_grad = transform.renamed(
     "mpjax.fp8.value_and_grad", "mpjax.fp8.scaled_value_and_grad", scaled_value_and_grad
 )
 # jnp.finfo(dtype).max does this job: one name for it.
-fp8_max = transform.renamed("mpjax.fp8.fp8_max(dtype)", "float(jnp.finfo(dtype).max)", _fp8_max)
+fp8_max = transform.renamed("mpjax.fp8.fp8_max(dtype)", "float(jnp.finfo(dtype).max)", finite_max)
