@@ -220,8 +220,9 @@ def test_gradients_through_the_scanned_stack_are_finite_and_match_float32(rng):
     unrolled = grads(mpjax.flax.wrap(Stack(nnx.Rngs(0), "unrolled"), policy))
     assert rel_err(scanned, unrolled) < 1e-5
     # ...and both are near float32: the half matmul's rounding (O1's too) is amplified by
-    # each norm's mean subtraction and gain of 500, to a few 1e-3 (up to ~2.5e-2 seen).
-    assert rel_err(scanned, ref) < 5 * RTOL["float16"]
+    # each norm's mean subtraction and gain of 500, to a few 1e-3 with a long tail (600
+    # draws, JAX 0.6.0 and 0.10.2 alike: mean 3e-3, 90% below 6e-3, max 6.9e-2, 5 above 5e-2).
+    assert rel_err(scanned, ref) < 10 * RTOL["float16"]
 
 
 @pytest.mark.parametrize(
