@@ -7,6 +7,8 @@ import enum
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from mpjax._src import interpret
+
 
 class Kind(enum.Enum):
     """What autocast does with a primitive (see :data:`PRIMITIVES`)."""
@@ -258,11 +260,8 @@ _UNTOUCHED: dict[str, str] = {
 }  # fmt: skip
 
 
-# Primitives whose body the interpreter runs (interpret.INLINE_CALLS and BODY_PARAMS say how).
-_HIGHER_ORDER = (
-    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-    "custom_vjp_call_jaxpr", "remat2", "checkpoint", "scan", "while", "cond", "shard_map",
-)  # fmt: skip
+# Primitives whose body the interpreter runs: its own maps say how (by body parameter).
+_HIGHER_ORDER = (*interpret.INLINE_CALLS, *interpret.BODY_PARAMS)
 _WHY = {
     Kind.LOWER: "matmul-like: tensor cores",
     Kind.F32: "loses accuracy or overflows in half",
