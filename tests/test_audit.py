@@ -21,7 +21,7 @@ from jax.extend.mlir import ir
 
 import mpjax
 from mpjax._src import audit_hlo, audit_report, audit_stablehlo, hardware
-from mpjax._src.autocast import UNTOUCHED_SCOPE
+from mpjax._src.first_order import UNTOUCHED_SCOPE
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import simplenet as benchmark  # noqa: E402

@@ -475,7 +475,7 @@ def test_every_primitive_of_this_jax_has_a_record_in_the_one_table():
 def test_every_list_of_primitives_is_derived_from_the_table():
     """A trait given in one record reaches every rule that reads it: the rules' lists are the
     table's, not copies, so adding a primitive is one record."""
-    from mpjax._src import autocast, f32_search, islands, ops, rules, shadow
+    from mpjax._src import f32_search, first_order, islands, ops, rules, shadow
 
     T = ops.Trait
     assert "reshape" in rules.SHAPE_OPS and ops.PRIMITIVES["reshape"].traits & T.MOVES
@@ -485,7 +485,7 @@ def test_every_list_of_primitives_is_derived_from_the_table():
         assert (name in rules.DECISION_OPS) == bool(op.traits & T.DECIDES), name
         assert (name in rules.CARRY_OPS) == bool(op.traits & T.CARRIES), name
         assert (name in islands.ISLAND_OPS) == bool(op.traits & T.ISLAND), name
-        assert (name in autocast._MOVES) == bool(op.traits & T.CAST_FIRST), name
+        assert (name in first_order._MOVES) == bool(op.traits & T.CAST_FIRST), name
         assert (name in shadow.MOVES) == bool(op.traits & (T.MOVES | T.PASSES)), name
         in_table_kind = op.kind in (ops.Kind.LOWER, ops.Kind.F32, ops.Kind.FOLLOW)
         assert (name in ops.KNOWN_OPS) == in_table_kind, name

@@ -95,3 +95,32 @@ def test_no_module_is_over_800_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in _modules().items()}
     assert max(sizes.values()) > 400  # the reading works
     assert not {n: k for n, k in sizes.items() if k > 800}
+
+
+def _function(module: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse(_modules()[module].read_text())
+    found = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert found, f"{module}.{name}"
+    return found[0]
+
+
+def test_the_default_rule_is_a_page_and_names_no_primitive():
+    """The default first-order rule decides through rules.py and treats no primitive by name:
+    a primitive that needs more has a rule of its own, registered beside it."""
+    from mpjax._src import ops
+
+    default = ("_primitive_rule", "_apply", "_decide", "_keep", "_cast_and_bind")
+    for name in default:
+        fn = _function("mpjax._src.first_order", name)
+        lines = (fn.end_lineno or fn.lineno) - fn.lineno + 1
+        doc = fn.body[0]
+        if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+            lines -= (doc.end_lineno or doc.lineno) - doc.lineno + 1
+        assert lines <= 40, (name, lines)
+        strings = {n.value for n in ast.walk(fn) if isinstance(n, ast.Constant)}
+        named = {s for s in strings if isinstance(s, str) and s in ops.PRIMITIVES}
+        # An add of a matmul's result and a smaller value is a bias add, as torch's promote
+        # list makes it part of the matmul (rules.target_dtype's bias_add).
+        assert named <= {"add"}, (name, named)
+    registered = _function("mpjax._src.first_order", "_gather_rule")
+    assert registered.decorator_list, "the special cases are registered rules"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from mpjax._src import autocast, interpret, ops
+from mpjax._src import autocast, first_order, interpret, ops
 
 
 def _eqn(fn, *args, name):
@@ -49,7 +49,7 @@ def test_fp8_extends_autocasts_rules_and_leaves_them_as_they_are():
     rules = sites.rules()
     dot = _eqn(jnp.dot, jnp.ones((16, 16)), jnp.ones((16, 16)), name="dot_general")
     assert rules(dot) is not autocast.RULES(dot)
-    assert autocast.RULES(dot) is autocast._primitive_rule
+    assert autocast.RULES(dot) is first_order._dot_rule
 
 
 def test_layouts_split_operands_as_the_bodies_take_them():

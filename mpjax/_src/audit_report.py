@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from mpjax._src.autocast import UNTOUCHED_SCOPE
+from mpjax._src.first_order import UNTOUCHED_SCOPE
 from mpjax._src.gpu_program import GpuProgram
 
 HALF_DTYPES = ("float16", "bfloat16")

@@ -13,7 +13,7 @@ from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
 from mpjax._src.audit_report import HALF_DTYPES, Collective, MatmulOp, Risk
-from mpjax._src.autocast import UNTOUCHED_SCOPE, untouched_reason
+from mpjax._src.first_order import UNTOUCHED_SCOPE, untouched_reason
 
 # -- the lowered StableHLO module, walked through the MLIR bindings ------------------------
 

@@ -9,59 +9,39 @@ override the policy, as do per-module rules of the Flax wrappers.
 
 from __future__ import annotations
 
-import contextvars
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
-from mpjax._src import interpret, ops
+from mpjax._src import first_order, interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Facts, analyze, while_facts
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.half_grads import dot_wide_grads, grows_half
-from mpjax._src.islands import ISLAND, remat_islands
-from mpjax._src.ops import Trait
+from mpjax._src.first_order import (
+    IN_RULE,
+    NOT_REBUILT,
+    bind_untouched,
+    results,
+    to_traced,
+    untouched_reason,
+)
+from mpjax._src.islands import remat_islands
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
-from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
-    ELEMENTWISE,
-    FILL_OPS,
-    NO_USE,
-    Action,
-    Flags,
-    Hold,
-    Operand,
-    n_elements,
-    op_lists,
-)
-from mpjax._src.rules import target_dtype as _target_dtype
+from mpjax._src.rules import NO_USE, Flags
 from mpjax._src.values import (
     KNOWN_LIMIT,
     SHADOW_CACHE,
     InputFacts,
     Marks,
     Values,
-    cast,
     dynamic_leaves,
     fill_dynamic,
     is_value,
-    params_at,
 )
-
-UNTOUCHED_SCOPE = "mpjax_untouched"
-# The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).
-NOT_REBUILT = "not-rebuilt"
-
-
-def untouched_reason(prim: str, code: str = "") -> str:
-    """Why autocast left `prim` in its traced dtypes, from its ``mpjax_untouched`` scope."""
-    if code == NOT_REBUILT:
-        return "autocast could not rebuild its body: it ran in its traced dtypes"
-    return ops.UNTOUCHED_OPS.get(prim, "a primitive autocast does not know: runs as traced")
 
 
 class UntouchedWarning(UserWarning):
@@ -75,11 +55,6 @@ class UntouchedWarning(UserWarning):
 INLINE_CALLS = interpret.INLINE_CALLS
 _CUSTOM_CALLS = frozenset(interpret.CUSTOM_CALLS)
 _SUBJAXPR_PARAMS = interpret.BODY_PARAMS
-
-
-def _value(x: Any, v: Any) -> Any:
-    """`x` as something with a dtype and shape (literals are plain or typed Python scalars)."""
-    return jc.literal_array(v) if isinstance(v, jc.Literal) else x
 
 
 class Context:
@@ -188,15 +163,6 @@ def eval_jaxpr(
     return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.marks(v) for v in jaxpr.outvars]
 
 
-def _to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
-    out = []
-    for x, aval in zip(vals, avals, strict=True):
-        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and x.dtype != aval.dtype:
-            x = cast(x, aval.dtype, getattr(aval, "weak_type", False))
-        out.append(x)
-    return out
-
-
 def _rebuild_closed(
     ctx: Context,
     closed: Any,
@@ -231,7 +197,7 @@ def _body_evaluator(
             out_flags=out_flags,
             traceback=traceback,
         )
-        return _to_traced(outs, closed.out_avals)
+        return to_traced(outs, closed.out_avals)
 
     return body
 
@@ -341,7 +307,7 @@ def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], A
                     mode,
                     inputs=[InputFacts(static=False, held=h) for h in in_held or [0] * n],
                 )
-                return _to_traced(outs, closed.out_avals)
+                return to_traced(outs, closed.out_avals)
 
             token = IN_RULE.set(True)
             try:  # traced, so that its float32 islands become remat regions
@@ -371,7 +337,7 @@ def _bind_with_operands(
     name = eqn.primitive.name
     if name != "scan" and xs:
         raise ValueError("only a scan takes extra scanned operands")
-    args = _to_traced(invals, [v.aval for v in eqn.invars])
+    args = to_traced(invals, [v.aval for v in eqn.invars])
     nk, nx, n = len(consts), len(xs), len(eqn.invars)
     const_avals = [jc.aval_of(c) for c in consts]
     if name == "cond":  # each branch takes the operands (not the index), then `consts`
@@ -485,27 +451,15 @@ def _eval_remat(
     return outs, learnt["holds"]
 
 
-def _bind_untouched(eqn: Any, invals: list[Any], code: str = "") -> Any:
-    # Marked in the HLO metadata so that the audit can show where autocast stood aside, and why
-    # (untouched_reason reads the scope back).
-    suffix = f":{code}" if code else ""
-    with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}{suffix}"):
-        return jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
-
-
 # -- the evaluation's rules --------------------------------------------------------------------
 #
 # Each rule evaluates one equation under the policy: (ctx, eqn, operand values, env, facts,
 # mode, traceback) -> (result values, held kinds). Calls are inlined; user remats, loops,
 # conds, custom-derivative calls and shard_map are rebuilt with autocast bodies; a higher-order
-# primitive autocast does not know runs as traced; every other equation follows the dtype
-# rule (_primitive_rule). mpjax.fp8 extends these rules (see Context.rules).
-RULES = interpret.Rules()
-
-
-def _results(eqn: Any, out: Any, hold: int = Hold.NONE) -> tuple[list[Any], list[int]]:
-    """A rule's return: `eqn`'s result values as a list, each held as `hold`."""
-    return (list(out) if eqn.primitive.multiple_results else [out]), [hold] * len(eqn.outvars)
+# primitive autocast does not know runs as traced; every other equation follows the
+# first-order rules (first_order.py), which these extend. mpjax.fp8 extends these in turn
+# (see Context.rules).
+RULES = first_order.RULES.extend()
 
 
 @RULES.register(*INLINE_CALLS)
@@ -543,16 +497,16 @@ def _rebuild_rule(
             flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
             params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
         wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
-        args = _to_traced(invals, [v.aval for v in eqn.invars])
+        args = to_traced(invals, [v.aval for v in eqn.invars])
         out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
-        return _results(eqn, out)
+        return results(eqn, out)
     except _CannotRebuild as e:
         if name in interpret.REMATS:  # lose the remat, keep the precision
             outs, holds, _ = eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
             return outs, holds
         why = f"autocast could not rebuild its body ({e})"
         _refuse_or_warn(ctx, eqn, why, warn=True)
-        return _results(eqn, _bind_untouched(eqn, invals, NOT_REBUILT))
+        return results(eqn, bind_untouched(eqn, invals, NOT_REBUILT))
 
 
 @RULES.set_higher_order
@@ -562,8 +516,8 @@ def _untouched_rule(
     """A higher-order primitive autocast does not know, or leaves alone by design: as traced."""
     name = eqn.primitive.name
     _refuse_or_warn(ctx, eqn, untouched_reason(name), warn=name not in ops.UNTOUCHED_OPS)
-    out = _bind_untouched(eqn, invals)
-    return _results(eqn, out)
+    out = bind_untouched(eqn, invals)
+    return results(eqn, out)
 
 
 def _refuse_or_warn(ctx: Context, eqn: Any, why: str, warn: bool) -> None:
@@ -607,190 +561,3 @@ def bind_with_bodies(
     except _CannotRebuild:
         return None
     return list(out), [False] * len(eqn.outvars)
-
-
-@RULES.set_default
-def _primitive_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
-) -> tuple[list[Any], list[int]]:
-    """A first-order equation under the dtype rule (rules.target_dtype)."""
-    name = eqn.primitive.name
-    static, held, carried = env.operand_facts(eqn)
-    if name in FILL_OPS and isinstance(mode, Policy) and mode.level == "O3" and mode.half:
-        invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
-    vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
-    decision = _decide(ctx, eqn, vals, env, facts, mode, (static, held, carried))
-    if decision.action is Action.TRACED or (
-        name == "convert_element_type" and not is_float_dtype(eqn.invars[0].aval.dtype)
-    ):
-        env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
-    wide = _WideSums.of(mode)
-    hold = decision.hold
-    if decision.action is Action.KEEP:
-        out = _keep(eqn, invals, env, facts, mode, wide)
-    elif decision.action is Action.UNTOUCHED:
-        out = _bind_untouched(eqn, invals)
-    elif decision.action is Action.TRACED:
-        out = jc.bind(eqn.primitive, _to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
-    elif name == "convert_element_type":
-        src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
-        if src == dst and is_float_dtype(dst):  # a weak-type change only: keep the current dtype
-            return [invals[0]], [held[0]]
-        out = jc.bind(eqn.primitive, invals, eqn.params)
-        hold = Hold.NONE
-    else:
-        out, hold = _cast_and_bind(eqn, vals, invals, env, mode, decision, wide)
-    if name == "broadcast_in_dim" and n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
-        env.spread.update(eqn.outvars)
-    return _results(eqn, out, hold)
-
-
-def _decide(
-    ctx: Context, eqn: Any, vals: list[Any], env: Values, facts: Facts, mode: Any, operands: Any
-) -> Any:
-    """rules.target_dtype's decision for `eqn`, from what `env` and `facts` know of its
-    operands (`operands`: their static, held and carried facts) and results."""
-    static, held, carried = operands
-    name = eqn.primitive.name
-    known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
-    facts_of = [
-        Operand(
-            held=held[i],
-            static=static[i],
-            is_index=not isinstance(v, jc.Literal) and v in env.index,
-            known=known[i],
-            feeds=facts.flags(v).decides or facts.flags(env.source(v)).decides,
-            carried=carried[i],
-        )
-        for i, v in enumerate(eqn.invars)
-    ]
-    return _target_dtype(
-        name,
-        eqn,
-        vals,
-        mode,
-        ctx.policy,
-        facts_of,
-        [facts.flags(v) for v in eqn.outvars],
-        bias_add=name == "add" and env.is_bias_add(eqn),
-    )
-
-
-class _WideSums(NamedTuple):
-    """Which backward sums a policy runs in float32 (see _primitive_rule)."""
-
-    # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
-    # grouped-query attention's repeated keys) run in float32 at O1/O2: no gradient leaves
-    # the device for them.
-    sums: bool
-    # Those of float32 values cast to half (a bias, a positional table, an embedding row) are
-    # the gradients' own sums: they run in the policy's reduce dtype.
-    grads: bool
-
-    @classmethod
-    def of(cls, mode: Any) -> _WideSums:
-        policy = mode if isinstance(mode, Policy) else None
-        sums = policy is not None and policy.level in ("O1", "O2") and policy.half
-        grads = (
-            not IN_RULE.get()
-            and policy is not None
-            and policy.half
-            and policy.level != "O0"
-            and policy.gradient_dtype.itemsize >= 4
-        )
-        return cls(sums, grads)
-
-
-def _keep(
-    eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, wide: _WideSums
-) -> Any:
-    """`eqn` (data movement) on its operands as they are, in their dtypes."""
-    name = eqn.primitive.name
-    param = bool(eqn.invars) and env.is_param(eqn.invars[0])
-    if (wide.sums or (wide.grads and param)) and grows_half(eqn, invals):
-        # A broadcast that grows a half value: its transpose sums the cotangent over the new
-        # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
-        # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
-        x = jc.convert(invals[0], np.float32)
-        return jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
-    out = jc.bind(eqn.primitive, invals, eqn.params)
-    if name in _MOVES and isinstance(mode, Policy) and mode.half and mode.level != "O0":
-        half = np.dtype(mode.compute_dtype)
-        env.move(eqn, invals, half, wide.grads)
-        # A lookup in a param table at O2/O3, where params are half (apex casts the model):
-        # the rows are looked up in half even where a float32 op (a norm) takes them, so the
-        # lookup, and the collectives on it, move half bytes. Rows a comparison reads (a
-        # decision) keep float32.
-        decides = facts.flags(eqn.outvars[0]).decides
-        if name == "gather" and mode.level in ("O2", "O3") and param and not decides:
-            twin = env.twins.get((eqn.outvars[0], half))
-            if twin is not None:
-                # Rows of half values, cast up: a float32 island starts here (a norm).
-                env.island.add(eqn.outvars[0])
-                out = checkpoint_name(jc.convert(twin, out.dtype), ISLAND)
-    return out
-
-
-def _cast_and_bind(
-    eqn: Any,
-    vals: list[Any],
-    invals: list[Any],
-    env: Values,
-    mode: Any,
-    decision: Any,
-    wide: _WideSums,
-) -> tuple[Any, int]:
-    """`eqn` on its float operands cast to the decision's dtype: (its results, their hold)."""
-    name, target, hold = eqn.primitive.name, decision.dtype, decision.hold
-    out_shape = tuple(eqn.outvars[0].aval.shape) if name in ELEMENTWISE else None
-    sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
-    cast_vals = [
-        env.cast(
-            v,
-            x,
-            target,
-            out_shape if out_shape is not None else tuple(x.shape),
-            wide.grads if x.dtype == np.float32 else wide.sums or (wide.grads and env.is_param(v)),
-            sharding,
-        )
-        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
-        else raw
-        for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
-    ]
-    params = params_at(eqn, target)
-    wide_dot = [
-        wide.grads
-        and name == "dot_general"
-        and np.dtype(target).itemsize < 4
-        and is_float_dtype(getattr(x, "dtype", np.int32))
-        and not env.is_static(v)
-        and env.is_param(v)
-        for x, v in zip(vals, eqn.invars, strict=True)
-    ]
-    if any(wide_dot) and params.get("preferred_element_type") in (None, np.dtype(target)):
-        # The policy reduces gradients in float32: the matmul runs in half, and the gradient
-        # of its float32 operand that is an input of the program (a weight, moved by reshapes
-        # at most) comes out of a half matmul that writes float32, so its sum over the batch,
-        # and the all-reduce a partitioner puts on it, are float32.
-        operands = [x if w else c for x, c, w in zip(vals, cast_vals, wide_dot, strict=True)]
-        avals = tuple(jc.aval_of(x) for x in operands)
-        out = dot_wide_grads(params, np.dtype(target), tuple(wide_dot), avals)(*operands)
-    else:
-        out = jc.bind(eqn.primitive, cast_vals, params)
-    if params.get("preferred_element_type") not in (None, np.dtype(target)):
-        hold = Hold.STAT  # a float32 result the program asked for stays float32, as a statistic
-    elif name in op_lists(mode)[0]:
-        env.lowered.update(eqn.outvars)
-    return out, hold
-
-
-# Data movement: a cast commutes with it, so it can run on the half cast (see Values.move).
-# Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
-# a reshard; on JAX 0.6 a gather between two mesh_casts).
-_MOVES = ops.having(Trait.CAST_FIRST)
-
-
-# True while a custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
-# linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
-# reductions that need one (dot_wide_grads, gather_half) keep JAX's own rules there.
-IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("mpjax_in_rule", default=False)

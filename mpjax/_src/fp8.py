@@ -16,7 +16,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
-from mpjax._src import autocast_api, interpret, transform
+from mpjax._src import autocast_api, interpret, transform, values
 from mpjax._src.fp8_dot import (
     E4M3,
     E5M2,
@@ -390,7 +390,7 @@ class _Sites:
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
-        lhs, rhs = (autocast_lib.cast(x, dt) for x in invals)
+        lhs, rhs = (values.cast(x, dt) for x in invals)
         dims = eqn.params["dimension_numbers"]
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)

@@ -117,6 +117,51 @@ def op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(), frozenset()
 
 
+# -- what each level does beyond the dtype of an op ----------------------------------------------
+
+
+def saturates_fills(mode: Any) -> bool:
+    """Whether a fill's constant beyond the half's range is clamped to it (see
+    Values.saturate_fills): at O3 the program runs as if written in half, where
+    ``jnp.where(mask, x, finfo(dtype).min)`` fills with the half's minimum."""
+    return isinstance(mode, Policy) and mode.level == "O3" and mode.half
+
+
+def moves_half(mode: Any) -> bool:
+    """Whether data movement of a float32 value also makes its half twin (see Values.move),
+    so that a consumer casting it down moves half bytes, as ``.astype`` before it would."""
+    return isinstance(mode, Policy) and mode.half and mode.level != "O0"
+
+
+def looks_up_half(mode: Any) -> bool:
+    """Whether a lookup in a param table takes its rows in half even where a float32 op takes
+    them (a norm): at O2/O3, where params are half, as apex casts the model."""
+    return isinstance(mode, Policy) and mode.half and mode.level in ("O2", "O3")
+
+
+class WideSums(NamedTuple):
+    """Which backward sums a policy runs in float32 (see :meth:`of`)."""
+
+    # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
+    # grouped-query attention's repeated keys) run in float32 at O1/O2: no gradient leaves
+    # the device for them.
+    sums: bool
+    # Those of float32 values cast to half (a bias, a positional table, an embedding row) are
+    # the gradients' own sums: they run in the policy's reduce dtype.
+    grads: bool
+
+    @classmethod
+    def of(cls, mode: Any, in_rule: bool = False) -> WideSums:
+        """The sums `mode` widens; none of the gradients' own inside a custom-derivative rule
+        (`in_rule`), where the float32 reductions that need a custom_vjp cannot run."""
+        policy = mode if isinstance(mode, Policy) else None
+        if policy is None or not policy.half:
+            return cls(False, False)
+        sums = policy.level in ("O1", "O2")
+        grads = not in_rule and policy.level != "O0" and policy.gradient_dtype.itemsize >= 4
+        return cls(sums, grads)
+
+
 # -- what each value is used for ----------------------------------------------------------------
 #
 # A backward pass over a jaxpr marks each float value with two facts: it feeds a decision (a

@@ -169,7 +169,7 @@ class Values:
         sharding: Any = None,
     ) -> Any:
         """`v`'s value `x` cast to `dtype`. Where the op broadcasts it to `shape` (it grows)
-        and `wide_sums` (see _primitive_rule's wide_sums and wide_grads), it is broadcast in float32
+        and `wide_sums` (see rules.WideSums), it is broadcast in float32
         first, typed with `sharding`, that of the result it stands for (see
         jax_compat.typed_sharding): the broadcast's transpose, the gradient's sum, then runs in
         float32 (a bias's gradient), not in half."""

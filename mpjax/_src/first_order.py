@@ -1,0 +1,322 @@
+"""Autocast's first-order rules: one equation under the dtype rule (rules.target_dtype).
+
+Most primitives take the default rule: kept as they are (data movement), run as traced, or run
+on their operands cast to the rule's dtype. A primitive that needs more has a rule of its own,
+registered beside the default in :data:`RULES` (converts, broadcasts, gathers, matmuls), as
+JAX registers one rule per primitive for each interpreter. The higher-order primitives (calls,
+loops, conds, custom-derivative calls) extend these rules in ``autocast.py``; what each
+primitive is (moves data, decides, fills, ...) is its record in ``ops.py``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from mpjax._src import interpret, ops
+from mpjax._src import jax_compat as jc
+from mpjax._src.autocast_uses import Facts
+from mpjax._src.dtypes import is_float_dtype
+from mpjax._src.half_grads import dot_wide_grads, grows_half
+from mpjax._src.islands import ISLAND
+from mpjax._src.ops import Trait
+from mpjax._src.policy import Policy
+from mpjax._src.rules import (
+    ELEMENTWISE,
+    FILL_OPS,
+    Action,
+    Hold,
+    Operand,
+    WideSums,
+    looks_up_half,
+    moves_half,
+    n_elements,
+    op_lists,
+    saturates_fills,
+)
+from mpjax._src.rules import target_dtype as _target_dtype
+from mpjax._src.values import Values, cast, params_at
+
+
+class RuleContext(Protocol):
+    """What a first-order rule needs of autocast's evaluation context (autocast.Context)."""
+
+    policy: Policy
+
+
+# The first-order rules, by primitive: (ctx, eqn, operand values, env, facts, mode, traceback)
+# -> (result values, held kinds). autocast.RULES extends them with the higher-order ones.
+RULES = interpret.Rules()
+
+UNTOUCHED_SCOPE = "mpjax_untouched"
+# The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).
+NOT_REBUILT = "not-rebuilt"
+
+
+def untouched_reason(prim: str, code: str = "") -> str:
+    """Why autocast left `prim` in its traced dtypes, from its ``mpjax_untouched`` scope."""
+    if code == NOT_REBUILT:
+        return "autocast could not rebuild its body: it ran in its traced dtypes"
+    return ops.UNTOUCHED_OPS.get(prim, "a primitive autocast does not know: runs as traced")
+
+
+def _value(x: Any, v: Any) -> Any:
+    """`x` as something with a dtype and shape (literals are plain or typed Python scalars)."""
+    return jc.literal_array(v) if isinstance(v, jc.Literal) else x
+
+
+def to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
+    out = []
+    for x, aval in zip(vals, avals, strict=True):
+        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and x.dtype != aval.dtype:
+            x = cast(x, aval.dtype, getattr(aval, "weak_type", False))
+        out.append(x)
+    return out
+
+
+def bind_untouched(eqn: Any, invals: list[Any], code: str = "") -> Any:
+    # Marked in the HLO metadata so that the audit can show where autocast stood aside, and why
+    # (untouched_reason reads the scope back).
+    suffix = f":{code}" if code else ""
+    with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}{suffix}"):
+        return jc.bind(eqn.primitive, to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
+
+
+def results(eqn: Any, out: Any, hold: int = Hold.NONE) -> tuple[list[Any], list[int]]:
+    """A rule's return: `eqn`'s result values as a list, each held as `hold`."""
+    return (list(out) if eqn.primitive.multiple_results else [out]), [hold] * len(eqn.outvars)
+
+
+@RULES.set_default
+def _primitive_rule(
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A first-order equation under the dtype rule (rules.target_dtype)."""
+    return _apply(ctx, eqn, invals, env, facts, mode, _cast_and_bind)
+
+
+def _apply(
+    ctx: RuleContext,
+    eqn: Any,
+    invals: list[Any],
+    env: Values,
+    facts: Facts,
+    mode: Any,
+    cast_and_bind: Callable[..., tuple[list[Any], list[int]]],
+) -> tuple[list[Any], list[int]]:
+    """`eqn` as rules.target_dtype decides: kept as it is (data movement), as traced, or run
+    by `cast_and_bind` on its operands cast to the decision's dtype (see _cast_and_bind)."""
+    static, held, carried = env.operand_facts(eqn)
+    if eqn.primitive.name in FILL_OPS and saturates_fills(mode):
+        invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
+    vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
+    decision = _decide(ctx, eqn, vals, env, facts, mode, (static, held, carried))
+    wide = WideSums.of(mode, IN_RULE.get())
+    if decision.action is Action.KEEP:
+        return results(eqn, _keep(eqn, invals, env, mode, wide), decision.hold)
+    if decision.action is Action.UNTOUCHED:
+        return results(eqn, bind_untouched(eqn, invals), decision.hold)
+    if decision.action is Action.TRACED:
+        env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
+        traced = to_traced(invals, [v.aval for v in eqn.invars])
+        return results(eqn, jc.bind(eqn.primitive, traced, eqn.params), decision.hold)
+    return cast_and_bind(eqn, vals, invals, env, mode, decision, wide)
+
+
+def _decide(
+    ctx: RuleContext, eqn: Any, vals: list[Any], env: Values, facts: Facts, mode: Any, operands: Any
+) -> Any:
+    """rules.target_dtype's decision for `eqn`, from what `env` and `facts` know of its
+    operands (`operands`: their static, held and carried facts) and results."""
+    static, held, carried = operands
+    name = eqn.primitive.name
+    known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
+    facts_of = [
+        Operand(
+            held=held[i],
+            static=static[i],
+            is_index=not isinstance(v, jc.Literal) and v in env.index,
+            known=known[i],
+            feeds=facts.flags(v).decides or facts.flags(env.source(v)).decides,
+            carried=carried[i],
+        )
+        for i, v in enumerate(eqn.invars)
+    ]
+    return _target_dtype(
+        name,
+        eqn,
+        vals,
+        mode,
+        ctx.policy,
+        facts_of,
+        [facts.flags(v) for v in eqn.outvars],
+        bias_add=name == "add" and env.is_bias_add(eqn),
+    )
+
+
+def _keep(eqn: Any, invals: list[Any], env: Values, mode: Any, wide: WideSums) -> Any:
+    """`eqn` (data movement) on its operands as they are, in their dtypes."""
+    param = bool(eqn.invars) and env.is_param(eqn.invars[0])
+    if (wide.sums or (wide.grads and param)) and grows_half(eqn, invals):
+        # A broadcast that grows a half value: its transpose sums the cotangent over the new
+        # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
+        # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
+        x = jc.convert(invals[0], np.float32)
+        return jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
+    out = jc.bind(eqn.primitive, invals, eqn.params)
+    if eqn.primitive.name in _MOVES and moves_half(mode):
+        env.move(eqn, invals, np.dtype(mode.compute_dtype), wide.grads)
+    return out
+
+
+def _cast_and_bind(
+    eqn: Any,
+    vals: list[Any],
+    invals: list[Any],
+    env: Values,
+    mode: Any,
+    decision: Any,
+    wide: WideSums,
+    bind: Callable[..., Any] | None = None,
+) -> tuple[list[Any], list[int]]:
+    """`eqn` on its float operands cast to the decision's dtype, by `bind` (`eqn`'s primitive
+    if None; see _dot_rule): its results and their holds."""
+    name, target, hold = eqn.primitive.name, decision.dtype, decision.hold
+    out_shape = tuple(eqn.outvars[0].aval.shape) if name in ELEMENTWISE else None
+    sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
+    cast_vals = [
+        env.cast(
+            v,
+            x,
+            target,
+            out_shape if out_shape is not None else tuple(x.shape),
+            wide.grads if x.dtype == np.float32 else wide.sums or (wide.grads and env.is_param(v)),
+            sharding,
+        )
+        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
+        else raw
+        for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
+    ]
+    params = params_at(eqn, target)
+    if bind is None:
+        out = jc.bind(eqn.primitive, cast_vals, params)
+    else:
+        out = bind(eqn, vals, cast_vals, params, env, np.dtype(target), wide)
+    if params.get("preferred_element_type") not in (None, np.dtype(target)):
+        hold = Hold.STAT  # a float32 result the program asked for stays float32, as a statistic
+    elif name in op_lists(mode)[0]:
+        env.lowered.update(eqn.outvars)
+    return results(eqn, out, hold)
+
+
+# -- the primitives with rules of their own -------------------------------------------------
+
+
+@RULES.register("convert_element_type")
+def _convert_rule(
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A convert from an integer or a bool makes an index (see Values.index); one between
+    floats converts to the dtype the rule decides, the traced target's where it casts."""
+    if not is_float_dtype(eqn.invars[0].aval.dtype):
+        env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
+    return _apply(ctx, eqn, invals, env, facts, mode, _convert)
+
+
+def _convert(
+    eqn: Any, vals: list[Any], invals: list[Any], env: Values, *_: Any
+) -> tuple[list[Any], list[int]]:
+    src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+    if src == dst and is_float_dtype(dst):  # a weak-type change only: keep the current dtype
+        return [invals[0]], [env.held_kind(eqn.invars[0])]
+    return results(eqn, jc.bind(eqn.primitive, invals, eqn.params))
+
+
+@RULES.register("broadcast_in_dim")
+def _broadcast_rule(
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A broadcast under the dtype rule; one that grows its operand is recorded as spread, so
+    that adding it to a matmul's result is a bias add (see Values.is_bias_add)."""
+    out = _apply(ctx, eqn, invals, env, facts, mode, _cast_and_bind)
+    if n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
+        env.spread.update(eqn.outvars)
+    return out
+
+
+@RULES.register("gather")
+def _gather_rule(
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A gather under the dtype rule; a lookup in a param table at O2/O3 takes its rows in
+    half (rules.looks_up_half), even where a float32 op (a norm) takes them, so the lookup and
+    the collectives on it move half bytes. Rows a comparison reads (a decision) keep float32."""
+    outs, holds = _apply(ctx, eqn, invals, env, facts, mode, _cast_and_bind)
+    out = eqn.outvars[0]
+    if (
+        looks_up_half(mode)
+        and env.is_param(eqn.invars[0])
+        and not facts.flags(out).decides
+        and (out, np.dtype(mode.compute_dtype)) in env.twins
+    ):
+        # Rows of half values (see Values.move), cast up: a float32 island starts here.
+        twin = env.twins[(out, np.dtype(mode.compute_dtype))]
+        env.island.add(out)
+        outs[0] = checkpoint_name(jc.convert(twin, outs[0].dtype), ISLAND)
+    return outs, holds
+
+
+@RULES.register("dot_general")
+def _dot_rule(
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+) -> tuple[list[Any], list[int]]:
+    """A matmul under the dtype rule; where the policy reduces gradients in float32, that of a
+    param comes out of the half matmul in float32 (see _bind_wide_grads)."""
+    cast_and_bind = functools.partial(_cast_and_bind, bind=_bind_wide_grads)
+    return _apply(ctx, eqn, invals, env, facts, mode, cast_and_bind)
+
+
+def _bind_wide_grads(
+    eqn: Any,
+    vals: list[Any],
+    cast_vals: list[Any],
+    params: dict[str, Any],
+    env: Values,
+    target: np.dtype,
+    wide: WideSums,
+) -> Any:
+    """A half matmul whose float32 operands that are inputs of the program (a weight, moved
+    by reshapes at most) get float32 gradients: the matmul runs in half, and the gradient of
+    such an operand comes out of a half matmul that writes float32, so its sum over the batch,
+    and the all-reduce a partitioner puts on it, are float32."""
+    wide_dot = [
+        wide.grads
+        and target.itemsize < 4
+        and is_float_dtype(getattr(x, "dtype", np.int32))
+        and not env.is_static(v)
+        and env.is_param(v)
+        for x, v in zip(vals, eqn.invars, strict=True)
+    ]
+    if not any(wide_dot) or params.get("preferred_element_type") not in (None, target):
+        return jc.bind(eqn.primitive, cast_vals, params)
+    operands = [x if w else c for x, c, w in zip(vals, cast_vals, wide_dot, strict=True)]
+    avals = tuple(jc.aval_of(x) for x in operands)
+    return dot_wide_grads(params, target, tuple(wide_dot), avals)(*operands)
+
+
+# Data movement: a cast commutes with it, so it can run on the half cast (see Values.move).
+# Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
+# a reshard; on JAX 0.6 a gather between two mesh_casts).
+_MOVES = ops.having(Trait.CAST_FIRST)
+
+
+# True while a custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
+# linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
+# reductions that need one (dot_wide_grads, gather_half) keep JAX's own rules there.
+IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("mpjax_in_rule", default=False)
