@@ -17,14 +17,13 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Facts
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.half_grads import dot_wide_grads, grows_half
-from mpjax._src.islands import ISLAND
+from mpjax._src.islands import as_island
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
 from mpjax._src.rules import (
@@ -268,7 +267,7 @@ def _gather_rule(
         # Rows of half values (see Values.move), cast up: a float32 island starts here.
         twin = env.twins[(out, np.dtype(mode.compute_dtype))]
         env.island.add(out)
-        outs[0] = checkpoint_name(jc.convert(twin, outs[0].dtype), ISLAND)
+        outs[0] = as_island(jc.convert(twin, outs[0].dtype))
     return outs, holds
 
 

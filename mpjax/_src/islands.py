@@ -63,6 +63,11 @@ def _named(x: Any, name: str) -> Any:
     return checkpoint_name(x, name)  # type: ignore[no-untyped-call]
 
 
+def as_island(x: Any) -> Any:
+    """`x` named as a float32 island's value (see Values.tag_island)."""
+    return _named(x, ISLAND)
+
+
 def _unnamed(made: dict[Any, Any], v: Any) -> Any:
     """The value `v` names (through ``checkpoint_name`` equations), or `v` itself."""
     while not isinstance(v, jc.Literal) and v in made and made[v].primitive.name == "name":

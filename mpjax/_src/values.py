@@ -10,13 +10,12 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import jax_compat as jc
 from mpjax._src import ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype
 from mpjax._src.half_grads import gather_half
-from mpjax._src.islands import ISLAND, ISLAND_OPS, is_island_call
+from mpjax._src.islands import ISLAND_OPS, as_island, is_island_call
 from mpjax._src.ops import Trait
 from mpjax._src.rules import SHAPE_OPS, Hold, beyond, n_elements
 
@@ -33,7 +32,7 @@ def cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = Fals
         return x
     if SHADOW_CACHE.get() and not isinstance(x, jax.core.Tracer):
         # See for_shadow: a constant cast down stays a convert of its float32 value.
-        x = lax.optimization_barrier(x)
+        x = lax.optimization_barrier(x)  # type: ignore[no-untyped-call]
     if (
         saturate
         and is_float_dtype(dtype)
@@ -299,7 +298,7 @@ class Values:
         if not grows:
             return out
         self.island.add(v)
-        return checkpoint_name(out, ISLAND)
+        return as_island(out)
 
     def is_param(self, v: Any) -> bool:
         """Whether `v` is an input of the jaxpr, moved by shape ops at most: a param, whose
@@ -368,7 +367,7 @@ def scatter_update(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
     closed = jc.ClosedJaxpr(params["update_jaxpr"], list(params.get("update_consts", ())))
     if all(np.dtype(v.aval.dtype) == dtype for v in closed.jaxpr.invars):
         return {}
-    scalar = jax.ShapeDtypeStruct((), dtype)
+    scalar = jax.ShapeDtypeStruct((), dtype)  # type: ignore[no-untyped-call]
     rebuilt = jc.trace(jc.jaxpr_as_fun(closed), [jc.aval_of(scalar)] * len(closed.jaxpr.invars))
     return {"update_jaxpr": rebuilt.jaxpr, "update_consts": tuple(rebuilt.consts)}
 
@@ -377,7 +376,7 @@ def params_at(eqn: Any, target: Any) -> dict[str, Any]:
     """A matmul's output dtype follows its (cast) operands, unless the program asked for a
     result wider than every operand it traced (``preferred_element_type=jnp.float32`` on half
     operands: half inputs, float32 accumulation and result), which is kept."""
-    params = eqn.params
+    params: dict[str, Any] = eqn.params
     if params.get("update_jaxpr") is not None and target is not None:
         return {**params, **scatter_update(params, np.dtype(target))}
     pref = params.get("preferred_element_type")
