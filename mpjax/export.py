@@ -41,15 +41,15 @@ _META_FILE = "export.json"
 # A backward walk marks each variable with whether every use of it ends in a lower-list op
 # (through ops that pass it on unchanged in value, its shape or dtype aside, and inlined
 # calls). Each rule gives, from the marks of its equation's results, those of its operands.
-_USES = interpret.Rules(default=lambda eqn, outs_only, lower_ops: [False] * len(eqn.invars))
+_LOWER_ONLY = interpret.Rules(default=lambda eqn, outs_only, lower_ops: [False] * len(eqn.invars))
 
 
-@_USES.register(*SHAPE_OPS, "convert_element_type")
+@_LOWER_ONLY.register(*SHAPE_OPS, "convert_element_type")
 def _passes_on(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> list[bool]:
     return [all(outs_only)] * len(eqn.invars)
 
 
-@_USES.register(*interpret.INLINE_CALLS)
+@_LOWER_ONLY.register(*interpret.INLINE_CALLS)
 def _call_uses(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> list[bool]:
     inner = interpret.open_jaxpr(interpret.call_body(eqn, interpret.INLINE_CALLS))[0]
     return _only_feeds(inner, lower_ops)
@@ -71,7 +71,7 @@ def _only_feeds(jaxpr: Any, lower_ops: frozenset[str]) -> list[bool]:
             flags = [True] * len(eqn.invars)
         else:
             outs_only = [only.get(v, False) for v in eqn.outvars]
-            flags = _USES(eqn)(eqn, outs_only, lower_ops)
+            flags = _LOWER_ONLY(eqn)(eqn, outs_only, lower_ops)
         for v, f in zip(eqn.invars, flags, strict=True):
             use(v, f)
 

@@ -9,19 +9,20 @@ override the policy, as do per-module rules of the Flax wrappers.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from mpjax._src import first_order, interpret, ops
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast_uses import Facts, analyze, while_facts
+from mpjax._src.autocast_uses import Uses, analyze, while_facts
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.first_order import (
-    IN_RULE,
     NOT_REBUILT,
     bind_untouched,
     results,
@@ -31,12 +32,10 @@ from mpjax._src.first_order import (
 from mpjax._src.islands import remat_islands
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
-from mpjax._src.rules import NO_USE, Flags
+from mpjax._src.rules import NO_USE, Mode, Use
 from mpjax._src.values import (
     KNOWN_LIMIT,
-    SHADOW_CACHE,
-    InputFacts,
-    Marks,
+    ValueFacts,
     Values,
     dynamic_leaves,
     fill_dynamic,
@@ -59,7 +58,9 @@ _SUBJAXPR_PARAMS = interpret.BODY_PARAMS
 
 class Context:
     """What the evaluation needs: the region policies by marker, the base policy, and a memo of
-    the use analysis per sub-jaxpr."""
+    the use analysis per sub-jaxpr; whether a custom-derivative rule is being evaluated
+    (`in_rule`) and whether for mpjax.compare's float32 shadow (`shadow`, see
+    autocast_api.for_shadow)."""
 
     def __init__(
         self,
@@ -71,7 +72,7 @@ class Context:
         self.policy = policy
         # Raise instead of running a sub-program in its traced dtypes (autocast(strict=True)).
         self.strict = strict
-        self.by_marker = {
+        self.by_marker: dict[str, Mode] = {
             F32_REGION: "f32",
             HALF_REGION: "half",
             **regions,
@@ -80,8 +81,24 @@ class Context:
         # The evaluation's rules by primitive (see RULES); mpjax.fp8 evaluates under an
         # extension of them that runs dot_general in FP8 and passes scales into bodies.
         self.rules: interpret.Rules = RULES if rules is None else rules
+        # A custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
+        # linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
+        # reductions that need one (dot_wide_grads, gather_half) keep JAX's own rules there.
+        self.in_rule = False
+        # For a float32 shadow: constants cast down stay converts of their values, and an
+        # inlined call's equations keep their own source lines.
+        self.shadow = False
 
-    def mode_for(self, inherited: Any, name_stack: str) -> Any:
+    def replace(self, **changes: bool) -> Context:
+        """This context with `changes` (``in_rule=True``, ``shadow=True``); the memo shared."""
+        new = copy.copy(self)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
+
+    def mode_for(self, inherited: Mode, name_stack: str) -> Mode:
+        """The mode an equation with `name_stack` runs under: that of its innermost region
+        marker, else `inherited`."""
         markers = [m for m in MARKER.findall(name_stack) if m in self.by_marker or m in REGIONS]
         if not markers:
             return inherited
@@ -96,78 +113,64 @@ def eval_jaxpr(
     jaxpr: Any,
     consts: list[Any],
     args: list[Any],
-    mode: Any,
+    mode: Mode,
     *,
-    inputs: Sequence[InputFacts] | None = None,
-    out_flags: tuple[Flags, ...] | None = None,
+    inputs: Sequence[ValueFacts] | None = None,
+    out_flags: tuple[Use, ...] | None = None,
     traceback: Any = None,
-) -> tuple[list[Any], list[int], list[Marks]]:
-    """Evaluates `jaxpr` under the policy; returns its outputs, which are held in float32, and
-    and their marks (see Values.marks).
+) -> tuple[list[Any], list[int], list[ValueFacts]]:
+    """Evaluates `jaxpr` under the policy; returns its outputs, which of them are held in
+    float32, and what it hands back of each (see Values.handed).
 
-    `inputs` are what the caller knows of the inputs (see InputFacts); None: nothing.
+    `inputs` are what the caller knows of the inputs (see ValueFacts); None: nothing.
 
     `traceback`, for an inlined call, is the call site's: the inner equations' own may come from
     a cached trace made elsewhere.
     """
-    facts = analyze(ctx, jaxpr, out_flags or (NO_USE,) * len(jaxpr.outvars), mode)
-    env = Values()
+    uses = analyze(ctx, jaxpr, out_flags or (NO_USE,) * len(jaxpr.outvars), mode)
+    env = Values(keep_constants=ctx.shadow)
     for v, x in zip(jaxpr.constvars, consts, strict=True):
         env.vals[v] = x
-        env.static.add(v)
-        if not (isinstance(x, jax.core.Tracer) and is_float_dtype(x.dtype)):
-            env.inert.add(v)  # a tracer of an enclosing trace may be differentiated
+        f = env.facts(v)
+        f.static = True
+        # a tracer of an enclosing trace may be differentiated
+        f.inert = not (isinstance(x, jax.core.Tracer) and is_float_dtype(x.dtype))
         if isinstance(x, (np.ndarray, np.generic)) or (
             isinstance(x, jax.Array)
             and not isinstance(x, jax.core.Tracer)
             and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)  # keys: no numbers
         ):
             if np.size(x) <= KNOWN_LIMIT:
-                env.known[v] = np.asarray(x)
+                f.known = np.asarray(x)
     # An inlined call's inputs are params where the caller's operands are (a jitted loss's
     # logits are an activation, not a param table), the jaxpr's own inputs otherwise.
-    known_of = inputs if inputs is not None else [InputFacts()] * len(jaxpr.invars)
-    env.args.update(
-        v
-        for v, f in zip(jaxpr.invars, known_of, strict=True)
-        if f.marks is None or f.marks.is_param is not False
-    )
-    for v, x, f in zip(jaxpr.invars, args, known_of, strict=True):
-        env.vals[v] = x
-        if f.static if f.static is not None else not is_float_dtype(v.aval.dtype):
-            env.static.add(v)
-        if f.held:
-            env.held[v] = f.held
-        if f.known is not None:
-            env.known[v] = f.known
-        if f.inert if f.inert is not None else v in env.static:
-            env.inert.add(v)
-        if f.marks is not None:
-            env.mark(v, f.marks)
+    known_of = inputs if inputs is not None else [ValueFacts()] * len(jaxpr.invars)
+    for v, x, known in zip(jaxpr.invars, args, known_of, strict=True):
+        env.enter(v, x, known)
 
     def step(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[int]]:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
         tb = traceback if traceback is not None else eqn.source_info.traceback
-        if traceback is not None and SHADOW_CACHE.get() and jc.summarize_source(eqn.source_info):
+        if traceback is not None and ctx.shadow and jc.summarize_source(eqn.source_info):
             tb = eqn.source_info.traceback  # see for_shadow: a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
-                outvals, holds = ctx.rules(eqn)(ctx, eqn, invals, env, facts, eqn_mode, tb)
+                outvals, holds = ctx.rules(eqn)(ctx, eqn, invals, env, uses, eqn_mode, tb)
                 # A region's mode is a string ("f32": a norm under the Flax wrappers).
                 if len(outvals) == 1 and (not isinstance(eqn_mode, Policy) or eqn_mode.half):
                     outvals[0] = env.tag_island(eqn, invals, outvals[0])
         return outvals, holds
 
     outs = interpret.forward(jaxpr, env, step)
-    return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.marks(v) for v in jaxpr.outvars]
+    return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.handed(v) for v in jaxpr.outvars]
 
 
 def _rebuild_closed(
     ctx: Context,
     closed: Any,
-    mode: Any,
-    flags: tuple[list[bool], list[int], tuple[Flags, ...] | None],
+    mode: Mode,
+    flags: BodyFacts,
     context: Any = None,
     traceback: Any = None,
 ) -> Any:
@@ -177,11 +180,10 @@ def _rebuild_closed(
 
 
 def _body_evaluator(
-    ctx: Context, closed: Any, mode: Any, flags: Any, traceback: Any
+    ctx: Context, closed: Any, mode: Mode, flags: BodyFacts, traceback: Any
 ) -> Callable[[list[Any]], list[Any]]:
     """Evaluates a sub-jaxpr under the policy and casts its outputs back to their traced dtypes
     (loop carries and custom rules need their boundary types unchanged)."""
-    in_static, in_held, out_flags, in_carried = flags
 
     def body(args: list[Any]) -> list[Any]:
         outs, _, _ = eval_jaxpr(
@@ -190,11 +192,8 @@ def _body_evaluator(
             list(closed.consts),
             args,
             mode,
-            inputs=[
-                InputFacts(static=st, held=h, marks=Marks(False, c, {}))
-                for st, h, c in zip(in_static, in_held, in_carried, strict=True)
-            ],
-            out_flags=out_flags,
+            inputs=flags.inputs,
+            out_flags=flags.out_uses,
             traceback=traceback,
         )
         return to_traced(outs, closed.out_avals)
@@ -213,7 +212,9 @@ def trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None) 
 _CannotRebuild = jc.CannotRebuild
 
 
-def _rebuild_param(ctx: Context, value: Any, mode: Any, flags: Any, context: Any, tb: Any) -> Any:
+def _rebuild_param(
+    ctx: Context, value: Any, mode: Mode, flags: BodyFacts, context: Any, tb: Any
+) -> Any:
     if isinstance(value, tuple):
         return tuple(_rebuild_param(ctx, v, mode, flags, context, tb) for v in value)
     if isinstance(value, jc.ClosedJaxpr):
@@ -228,52 +229,48 @@ def _rebuild_param(ctx: Context, value: Any, mode: Any, flags: Any, context: Any
     return value
 
 
-def _sub_flags(
-    eqn: Any,
-    key: str,
-    static: list[bool],
-    held: list[int],
-    carried: list[bool],
-    facts: Facts,
-    ctx: Context,
-    mode: Any,
-) -> tuple[list[bool], list[int], tuple[Flags, ...] | None, list[bool]]:
-    """What is known about a sub-jaxpr's inputs (static, held, carried) and its outputs' uses.
+class BodyFacts(NamedTuple):
+    """What a body's evaluation is told: what is known of each of its inputs, and what its
+    outputs are used for (None: nothing is known)."""
+
+    inputs: list[ValueFacts]
+    out_uses: tuple[Use, ...] | None
+
+
+def _body_facts(eqn: Any, key: str, env: Values, uses: Uses, ctx: Context, mode: Mode) -> BodyFacts:
+    """What is known of the inputs of `eqn`'s body `key` (static, held, carried) and of its
+    outputs' uses.
 
     A loop's carries are carried values in its body; a remat, cond or custom-rule body sees
     the facts of the operands it is called with (a scan over remat'ed layers adds inside)."""
     name = eqn.primitive.name
-    n = len(eqn.invars)
+    operands = [
+        ValueFacts(static=env.is_static(v), held=env.held_kind(v), carried=env.is_carried(v))
+        for v in eqn.invars
+    ]
+    results_used = tuple(uses.of(v) for v in eqn.outvars)
+    fresh, carry = ValueFacts(static=False), ValueFacts(static=False, carried=True)
     if name in _CUSTOM_CALLS or name in interpret.REMATS:
-        return static, held, tuple(facts.flags(v) for v in eqn.outvars), carried
+        return BodyFacts(operands, results_used)
     if name == "cond":
-        _, branch_static = interpret.cond_parts(eqn, static)
-        _, branch_held = interpret.cond_parts(eqn, held)
-        _, branch_carried = interpret.cond_parts(eqn, carried)
-        return (
-            branch_static,
-            branch_held,
-            tuple(facts.flags(v) for v in eqn.outvars),
-            branch_carried,
-        )
+        return BodyFacts(interpret.cond_parts(eqn, operands)[1], results_used)
     if name == "scan":
-        consts, carry, xs = interpret.scan_parts(eqn, range(n))
-        k, rest = len(consts), n - len(consts)
-        loop = [False] * k + [True] * len(carry) + [False] * len(xs)
-        return static[:k] + [False] * rest, held[:k] + [False] * rest, None, loop
+        consts, carries, xs = interpret.scan_parts(eqn, operands)
+        consts = [dataclasses.replace(f, carried=False) for f in consts]
+        return BodyFacts([*consts, *[carry] * len(carries), *[fresh] * len(xs)], None)
     if name == "while":
-        cconsts, bconsts, carry = interpret.while_parts(eqn, range(n))
-        cn, bn, nc = len(cconsts), len(bconsts), len(carry)
+        cconsts, bconsts, carries = interpret.while_parts(eqn, operands)
         if key == "cond_jaxpr":
-            return static[:cn] + [False] * nc, held[:cn] + [False] * nc, None, [False] * (cn + nc)
+            cconsts = [dataclasses.replace(f, carried=False) for f in cconsts]
+            return BodyFacts([*cconsts, *[fresh] * len(carries)], None)
         _, _, decided = while_facts(ctx, eqn, mode)
-        out_flags = tuple(Flags(i in decided, False) for i in range(nc))
-        body_static = static[cn : cn + bn] + [False] * nc
-        return body_static, held[cn : cn + bn] + [False] * nc, out_flags, [False] * bn + [True] * nc
-    return [False] * n, [False] * n, None, [False] * n
+        out_uses = tuple(Use(i in decided, False) for i in range(len(carries)))
+        bconsts = [dataclasses.replace(f, carried=False) for f in bconsts]
+        return BodyFacts([*bconsts, *[carry] * len(carries)], out_uses)
+    return BodyFacts([fresh] * len(eqn.invars), None)
 
 
-def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], Any]:
+def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], Any]:
     """Makes a custom-derivative rule (jvp, fwd, bwd) run under the policy, with its traced
     dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
 
@@ -285,8 +282,8 @@ def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], A
             dynamic = dynamic_leaves(args)
             passed: list[Any] = []
 
-            def flat(*dyn: Any) -> Any:
-                outs = list(rule.call_wrapped(*fill_dynamic(args, dynamic, dyn)))
+            def flat(*arrays: Any) -> Any:
+                outs = list(rule.call_wrapped(*fill_dynamic(args, dynamic, arrays)))
                 passed[:] = outs
                 return [o for o in outs if is_value(o)]
 
@@ -298,22 +295,19 @@ def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], A
             elif n == nin:  # a forward rule: primals
                 in_held = held
 
-            def evaluate(*dyn: Any) -> list[Any]:
+            def evaluate(*arrays: Any) -> list[Any]:
                 outs, _, _ = eval_jaxpr(
-                    ctx,
+                    ctx.replace(in_rule=True),
                     closed.jaxpr,
                     list(closed.consts),
-                    list(dyn),
+                    list(arrays),
                     mode,
-                    inputs=[InputFacts(static=False, held=h) for h in in_held or [0] * n],
+                    inputs=[ValueFacts(static=False, held=h) for h in in_held or [0] * n],
                 )
                 return to_traced(outs, closed.out_avals)
 
-            token = IN_RULE.set(True)
-            try:  # traced, so that its float32 islands become remat regions
-                rebuilt = trace_body(evaluate, list(closed.in_avals))
-            finally:
-                IN_RULE.reset(token)
+            # traced, so that its float32 islands become remat regions
+            rebuilt = trace_body(evaluate, list(closed.in_avals))
             values = iter(jc.jaxpr_as_fun(rebuilt)(*[args[i] for i in dynamic]))
             return [next(values) if is_value(o) else o for o in passed]
 
@@ -323,7 +317,7 @@ def _rule_wrapper(ctx: Context, mode: Any, held: list[int]) -> Callable[[Any], A
 
 
 def _bind_with_operands(
-    ctx: Context, eqn: Any, invals: list[Any], mode: Any, flags: Any, tb: Any, extra: Any
+    ctx: Context, eqn: Any, invals: list[Any], mode: Mode, flags: BodyFacts, tb: Any, extra: Any
 ) -> Any:
     """Binds a scan, remat or cond whose rebuilt bodies also take the operands `extra` gives:
     (consts, xs, enter). `consts` join a scan's constants (at the end of a remat's or a
@@ -345,7 +339,7 @@ def _bind_with_operands(
         for branch in p["branches"]:
             evaluate = _body_evaluator(ctx, branch, mode, flags, tb)
 
-            def run(*a: Any, evaluate: Any = evaluate) -> list[Any]:
+            def run(*a: Any, evaluate: Callable[[list[Any]], list[Any]] = evaluate) -> list[Any]:
                 with enter(list(a[n - 1 :]), []):
                     return evaluate(list(a[: n - 1]))
 
@@ -384,10 +378,10 @@ def _eval_call(
     invals: list[Any],
     eqn: Any,
     env: Values,
-    facts: Facts,
-    mode: Any,
+    uses: Uses,
+    mode: Mode,
     tb: Any,
-) -> tuple[list[Any], list[int], list[Marks]]:
+) -> tuple[list[Any], list[int], list[ValueFacts]]:
     """Evaluates the body of a call equation (an inlined jit, a remat) on `invals`, with what
     the caller knows of its operands and of its results' uses."""
     jaxpr, consts = body  # the call's jaxpr and its constants
@@ -399,16 +393,16 @@ def _eval_call(
         invals,
         mode,
         inputs=[
-            InputFacts(
+            dataclasses.replace(
+                env.handed(v),
                 static=s,
                 held=env.held_kind(v),
                 known=env.known_value(v) if s else None,
                 inert=env.is_inert(v),
-                marks=env.marks(v),
             )
             for v, s in zip(eqn.invars, static, strict=True)
         ],
-        out_flags=tuple(facts.flags(v) for v in eqn.outvars),
+        out_flags=tuple(uses.of(v) for v in eqn.outvars),
         traceback=tb,
     )
 
@@ -418,8 +412,8 @@ def _eval_remat(
     eqn: Any,
     invals: list[Any],
     env: Values,
-    facts: Facts,
-    mode: Any,
+    uses: Uses,
+    mode: Mode,
     tb: Any,
 ) -> tuple[list[Any], list[int]]:
     """A user's remat (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``), evaluated as an
@@ -429,31 +423,31 @@ def _eval_remat(
     name the user saved is saved in the dtype it has, and float32 islands inside are remat
     regions of their own."""
     p = eqn.params
-    dyn = [i for i, x in enumerate(invals) if isinstance(x, jax.core.Tracer)]
+    traced_at = [i for i, x in enumerate(invals) if isinstance(x, jax.core.Tracer)]
     learnt: dict[str, Any] = {}
 
     def body(*d: Any) -> list[Any]:
         vals = list(invals)
-        for i, x in zip(dyn, d, strict=True):
+        for i, x in zip(traced_at, d, strict=True):
             vals[i] = x
-        outs, holds, marks = _eval_call(ctx, (p["jaxpr"], []), vals, eqn, env, facts, mode, tb)
+        outs, holds, handed = _eval_call(ctx, (p["jaxpr"], []), vals, eqn, env, uses, mode, tb)
         learnt["holds"] = holds
         # Twins and island values made inside stay inside the remat's trace.
-        learnt["marks"] = [Marks(m.is_index, m.is_carried, {}) for m in marks]
+        learnt["handed"] = [ValueFacts(index=h.index, carried=h.carried) for h in handed]
         return outs
 
-    closed = trace_body(body, [jc.aval_of(invals[i]) for i in dyn])
+    closed = trace_body(body, [jc.aval_of(invals[i]) for i in traced_at])
     remat = jax.checkpoint(
         jc.jaxpr_as_fun(closed), policy=p.get("policy"), prevent_cse=p.get("prevent_cse", True)
     )
-    outs = list(remat(*[invals[i] for i in dyn]))
-    env.mark_results(eqn, learnt["marks"])
+    outs = list(remat(*[invals[i] for i in traced_at]))
+    env.take_results(eqn, learnt["handed"])
     return outs, learnt["holds"]
 
 
 # -- the evaluation's rules --------------------------------------------------------------------
 #
-# Each rule evaluates one equation under the policy: (ctx, eqn, operand values, env, facts,
+# Each rule evaluates one equation under the policy: (ctx, eqn, operand values, env, uses,
 # mode, traceback) -> (result values, held kinds). Calls are inlined; user remats, loops,
 # conds, custom-derivative calls and shard_map are rebuilt with autocast bodies; a higher-order
 # primitive autocast does not know runs as traced; every other equation follows the
@@ -464,38 +458,38 @@ RULES = first_order.RULES.extend()
 
 @RULES.register(*INLINE_CALLS)
 def _inline_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     closed = interpret.call_body(eqn, INLINE_CALLS)
     body = (closed.jaxpr, list(closed.consts))
-    outs, holds, marks = _eval_call(ctx, body, invals, eqn, env, facts, mode, tb)
+    outs, holds, handed = _eval_call(ctx, body, invals, eqn, env, uses, mode, tb)
     # What the call's body learnt (an index made inside jnp.clip, the carry updated inside a
     # jitted step) holds for its results here too.
-    env.mark_results(eqn, marks)
+    env.take_results(eqn, handed)
     return outs, holds
 
 
 @RULES.register(*interpret.REMATS)
 def _remat_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     if not eqn.params.get("differentiated", True):
-        return _eval_remat(ctx, eqn, invals, env, facts, mode, tb)
-    return _rebuild_rule(ctx, eqn, invals, env, facts, mode, tb)
+        return _eval_remat(ctx, eqn, invals, env, uses, mode, tb)
+    return _rebuild_rule(ctx, eqn, invals, env, uses, mode, tb)
 
 
 @RULES.register(*_CUSTOM_CALLS, "scan", "while", "cond", "shard_map")
 def _rebuild_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     name = eqn.primitive.name
-    static, held, carried = env.operand_facts(eqn)
     try:
         params = dict(eqn.params)
         for key in _SUBJAXPR_PARAMS[name]:
             context = jc.shard_map_context(params) if name == "shard_map" else None
-            flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
+            flags = _body_facts(eqn, key, env, uses, ctx, mode)
             params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
+        held = [env.held_kind(v) for v in eqn.invars]
         wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
         args = to_traced(invals, [v.aval for v in eqn.invars])
         out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
@@ -511,7 +505,7 @@ def _rebuild_rule(
 
 @RULES.set_higher_order
 def _untouched_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A higher-order primitive autocast does not know, or leaves alone by design: as traced."""
     name = eqn.primitive.name
@@ -545,8 +539,8 @@ def bind_with_bodies(
     eqn: Any,
     invals: list[Any],
     env: Values,
-    facts: Facts,
-    mode: Any,
+    uses: Uses,
+    mode: Mode,
     tb: Any,
     extra: Any,
 ) -> tuple[list[Any], list[int]] | None:
@@ -554,8 +548,7 @@ def bind_with_bodies(
     _bind_with_operands; mpjax.fp8's rules pass FP8 scales into bodies this way), or None
     where the bodies cannot be rebuilt (the rules in force then run it as usual)."""
     key = "branches" if eqn.primitive.name == "cond" else "jaxpr"
-    static, held, carried = env.operand_facts(eqn)
-    flags = _sub_flags(eqn, key, static, held, carried, facts, ctx, mode)
+    flags = _body_facts(eqn, key, env, uses, ctx, mode)
     try:
         out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
     except _CannotRebuild:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import functools
 import gc
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,7 +18,7 @@ from mpjax._src import jax_compat as jc
 from mpjax._src.autocast import Context, eval_jaxpr, trace_body
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.policy import Policy
-from mpjax._src.values import SHADOW_CACHE, cast, dynamic_leaves, fill_dynamic
+from mpjax._src.values import cast, dynamic_leaves, fill_dynamic
 
 
 def trace_call(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:
@@ -33,8 +34,8 @@ def flat_call(
 ) -> Callable[..., Any]:
     """`fn` as a function of the dynamic leaves alone; the others are baked in."""
 
-    def flat_fn(*dyn: Any) -> Any:
-        a, k = jax.tree_util.tree_unflatten(treedef, fill_dynamic(leaves, dynamic, dyn))
+    def flat_fn(*arrays: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(treedef, fill_dynamic(leaves, dynamic, arrays))
         return fn(*a, **k)
 
     return flat_fn
@@ -48,18 +49,26 @@ def _trace_leaves(
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
-def evaluate(ctx: Context, closed: Any, dyn: list[Any], cast_outputs: Any = True) -> list[Any]:
+def evaluate(ctx: Context, closed: Any, arrays: list[Any], cast_outputs: Any = True) -> list[Any]:
     """Evaluates a traced function under `ctx`'s policy; floating outputs in its output dtype
     (`cast_outputs` True), as computed (False), or, with one bool per output, those marked in
     the dtype the function itself returns (its float32 program's)."""
-    outs, _, _ = eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(dyn), ctx.policy)
+    if SHADOW_CACHE.get():
+        ctx = ctx.replace(shadow=True)
+    outs, _, _ = eval_jaxpr(ctx, closed.jaxpr, list(closed.consts), list(arrays), ctx.policy)
     if isinstance(cast_outputs, (list, tuple)):
         return [
-            cast(x, a.dtype) if keep and is_float_dtype(x.dtype) and is_float_dtype(a.dtype) else x
+            cast(x, a.dtype, keep_constant=ctx.shadow)
+            if keep and is_float_dtype(x.dtype) and is_float_dtype(a.dtype)
+            else x
             for x, a, keep in zip(outs, closed.out_avals, cast_outputs, strict=True)
         ]
     if cast_outputs:
-        outs = [cast(x, ctx.policy.output_dtype) if is_float_dtype(x.dtype) else x for x in outs]
+        out_dtype = ctx.policy.output_dtype
+        outs = [
+            cast(x, out_dtype, keep_constant=ctx.shadow) if is_float_dtype(x.dtype) else x
+            for x in outs
+        ]
     return outs
 
 
@@ -155,7 +164,7 @@ def autocast(
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = dynamic_leaves(leaves)
-        dyn = [leaves[i] for i in dynamic]
+        arrays = [leaves[i] for i in dynamic]
         key = _signature(treedef, leaves, dynamic)
         entry = cache.get(key) if key is not None else None
         if entry is None:
@@ -167,12 +176,16 @@ def autocast(
                     cache.popitem(last=False)
         else:
             cache.move_to_end(key)
-        return entry(dyn)
+        return entry(arrays)
 
     return wrapped
 
 
 _CACHE_SIZE = 64
+
+# The cache autocast's traces go to ("" outside for_shadow; see for_shadow), read where a
+# call enters autocast (evaluate, the trace cache's key) and passed on in its Context.
+SHADOW_CACHE: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_shadow", default="")
 
 
 @contextlib.contextmanager
@@ -223,9 +236,9 @@ def flax_module_kind(fn: Any) -> str | None:
 def _signature(treedef: Any, leaves: list[Any], dynamic: list[int]) -> Any:
     """What a trace depends on, as jax.jit keys its cache: the tree, the static leaves, and
     each array's shape, dtype and weak type. None when a static leaf is unhashable."""
-    dyn = set(dynamic)
+    dynamic_at = set(dynamic)
     try:
-        static = tuple((i, x) for i, x in enumerate(leaves) if i not in dyn)
+        static = tuple((i, x) for i, x in enumerate(leaves) if i not in dynamic_at)
         hash(static)
         avals = tuple(jc.aval_of(leaves[i]) for i in dynamic)
         hash(avals)
@@ -246,13 +259,13 @@ class _Entry:
             self.run = run
             self.jitted = jax.jit(run)
 
-    def __call__(self, dyn: list[Any]) -> Any:
+    def __call__(self, arrays: list[Any]) -> Any:
         if self.direct is not None:
-            outs = self.direct(dyn)
-        elif any(isinstance(x, jax.core.Tracer) for x in dyn):
-            outs = self.run(*dyn)
+            outs = self.direct(arrays)
+        elif any(isinstance(x, jax.core.Tracer) for x in arrays):
+            outs = self.run(*arrays)
         else:
-            outs = self.jitted(*dyn)
+            outs = self.jitted(*arrays)
         return jax.tree_util.tree_unflatten(self.out_tree, list(outs))
 
 
@@ -268,14 +281,14 @@ def _build(
     if callable(cast_outputs):
         cast_outputs = list(cast_outputs(out_tree))
 
-    def run_flat(*dyn: Any) -> list[Any]:
-        return evaluate(ctx, closed, list(dyn), cast_outputs)
+    def run_flat(*arrays: Any) -> list[Any]:
+        return evaluate(ctx, closed, list(arrays), cast_outputs)
 
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         # `fn` closes over a tracer of an enclosing transformation: evaluate now, never cache.
         avals = [v.aval for v in closed.jaxpr.invars]
         return _Entry(
-            None, out_tree, lambda dyn: jc.jaxpr_as_fun(trace_body(run_flat, avals))(*dyn)
+            None, out_tree, lambda arrays: jc.jaxpr_as_fun(trace_body(run_flat, avals))(*arrays)
         )
     ctx.memo.clear()
     casted = trace_body(run_flat, [v.aval for v in closed.jaxpr.invars])

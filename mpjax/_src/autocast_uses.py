@@ -12,7 +12,8 @@ from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.policy import Policy
 from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
     NO_USE,
-    Flags,
+    Mode,
+    Use,
     use_flags,
 )
 
@@ -23,29 +24,35 @@ class UseContext(Protocol):
 
     memo: dict[Any, Any]
 
-    def mode_for(self, inherited: Any, name_stack: str) -> Any: ...
+    def mode_for(self, inherited: Mode, name_stack: str) -> Mode: ...
 
 
-class Facts:
-    def __init__(self, decision: set[Any], f32only: set[Any], in_flags: tuple[Flags, ...]):
+class Uses:
+    """What each value of one jaxpr is used for (see rules.Use): the values that feed a
+    decision, those that feed only f32-list ops, and the uses of the jaxpr's inputs."""
+
+    def __init__(self, decision: set[Any], f32only: set[Any], in_flags: tuple[Use, ...]):
         self.decision, self.f32only, self.in_flags = decision, f32only, in_flags
 
-    def flags(self, v: Any) -> Flags:
+    def of(self, v: Any) -> Use:
+        """`v`'s use (NO_USE for a literal or a dropped result)."""
         if isinstance(v, (jc.Literal, jc.DropVar)):
             return NO_USE
-        return Flags(v in self.decision, v in self.f32only)
+        return Use(v in self.decision, v in self.f32only)
 
 
-def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any) -> Facts:
+def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Use, ...], mode: Mode) -> Uses:
+    """The uses of `jaxpr`'s values, walking it backward from its outputs' (`out_flags`), under
+    `mode`; memoized in `ctx` per jaxpr, outputs' uses and mode."""
     key = (id(jaxpr), out_flags, id(mode) if isinstance(mode, Policy) else mode)
     if key in ctx.memo:
-        memo: Facts = ctx.memo[key][1]
+        memo: Uses = ctx.memo[key][1]
         return memo
     decision: set[Any] = set()
     used: set[Any] = set()
     not_f32: set[Any] = set()
 
-    def use(v: Any, flags: Flags) -> None:
+    def use(v: Any, flags: Use) -> None:
         if isinstance(v, jc.Literal):
             return
         used.add(v)
@@ -54,10 +61,10 @@ def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any
         if not flags[1]:
             not_f32.add(v)
 
-    def flags_of(v: Any) -> Flags:
+    def flags_of(v: Any) -> Use:
         if isinstance(v, (jc.Literal, jc.DropVar)) or v not in used:
             return NO_USE
-        return Flags(v in decision, v not in not_f32)
+        return Use(v in decision, v not in not_f32)
 
     for v, f in zip(jaxpr.outvars, out_flags, strict=True):
         use(v, f)
@@ -68,15 +75,15 @@ def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any
         fouts = [v for v in outs if is_float_dtype(v.aval.dtype)]
         out_dec = any(v in decision for v in fouts)
         out_f32 = bool(fouts) and all(v in used and v not in not_f32 for v in fouts)
-        flags = _USES(eqn)(ctx, eqn, eqn_mode, out_dec, out_f32, flags_of)
+        flags = USE_RULES(eqn)(ctx, eqn, eqn_mode, out_dec, out_f32, flags_of)
         for v, f in zip(eqn.invars, flags, strict=True):
             use(v, f)
 
     interpret.backward(jaxpr, step)
     f32only = {v for v in used if v not in not_f32}
-    facts = Facts(decision, f32only, tuple(flags_of(v) for v in jaxpr.invars))
-    ctx.memo[key] = (jaxpr, facts)  # the jaxpr is kept alive so that its id stays unique
-    return facts
+    uses = Uses(decision, f32only, tuple(flags_of(v) for v in jaxpr.invars))
+    ctx.memo[key] = (jaxpr, uses)  # the jaxpr is kept alive so that its id stays unique
+    return uses
 
 
 # The use analysis's rules: the flags of an equation's operands, given its results' uses (see
@@ -84,69 +91,69 @@ def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Flags, ...], mode: Any
 # body uses them; a decision inside a scan's or a cond's body is a decision on the operand;
 # a while loop's carries that its condition depends on (through any number of iterations)
 # decide. Other bodies (remat, shard_map, unknown higher-order primitives) are opaque here.
-_USES = interpret.Rules(
+USE_RULES = interpret.Rules(
     default=lambda ctx, eqn, mode, out_dec, out_f32, flags_of: use_flags(
         eqn, mode, out_dec, out_f32
     )
 )
 
 
-@_USES.set_higher_order
-@_USES.register(*interpret.REMATS, "shard_map")
-def _opaque_uses(ctx: UseContext, eqn: Any, *_: Any) -> list[Flags]:
+@USE_RULES.set_higher_order
+@USE_RULES.register(*interpret.REMATS, "shard_map")
+def _opaque_uses(ctx: UseContext, eqn: Any, *_: Any) -> list[Use]:
     return [NO_USE] * len(eqn.invars)
 
 
-@_USES.register(*interpret.INLINE_CALLS, *interpret.CUSTOM_CALLS)
+@USE_RULES.register(*interpret.INLINE_CALLS, *interpret.CUSTOM_CALLS)
 def _call_uses(
-    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
-) -> list[Flags]:
+    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+) -> list[Use]:
     out_flags = tuple(flags_of(v) for v in eqn.outvars)
     inner = interpret.call_body(eqn)
     return list(analyze(ctx, inner.jaxpr, out_flags, mode).in_flags)
 
 
-@_USES.register("while")
+@USE_RULES.register("while")
 def _while_uses(
-    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
-) -> list[Flags]:
+    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+) -> list[Use]:
     cf, bf, decided = while_facts(ctx, eqn, mode)
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)
     cn, bn = len(cconsts), len(bconsts)
-    return [*cf[:cn], *bf[:bn], *[Flags(i in decided, False) for i in range(len(carry))]]
+    return [*cf[:cn], *bf[:bn], *[Use(i in decided, False) for i in range(len(carry))]]
 
 
-@_USES.register("scan")
+@USE_RULES.register("scan")
 def _scan_uses(
-    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
-) -> list[Flags]:
+    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+) -> list[Use]:
     body = eqn.params["jaxpr"]
     bf = analyze(ctx, body.jaxpr, (NO_USE,) * len(body.jaxpr.outvars), mode).in_flags
-    return [Flags(f.decides, False) for f in bf]
+    return [Use(f.decides, False) for f in bf]
 
 
-@_USES.register("cond")
+@USE_RULES.register("cond")
 def _cond_uses(
-    ctx: UseContext, eqn: Any, mode: Any, out_dec: bool, out_f32: bool, flags_of: Any
-) -> list[Flags]:
+    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+) -> list[Use]:
     branch_flags = [
         analyze(ctx, b.jaxpr, (NO_USE,) * len(b.jaxpr.outvars), mode).in_flags
         for b in eqn.params["branches"]
     ]
     _, operands = interpret.cond_parts(eqn, eqn.invars)
     decides = [any(bf[i].decides for bf in branch_flags) for i in range(len(operands))]
-    return [NO_USE] + [Flags(d, False) for d in decides]
+    return [NO_USE] + [Use(d, False) for d in decides]
 
 
-def while_facts(ctx: UseContext, eqn: Any, mode: Any) -> tuple[Any, Any, frozenset[int]]:
+def while_facts(ctx: UseContext, eqn: Any, mode: Mode) -> tuple[Any, Any, frozenset[int]]:
     """The carries a while loop's condition depends on (through any number of iterations)."""
     cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)
     cn, bn, ncarry = len(cconsts), len(bconsts), len(carry)
-    cf = analyze(ctx, cond.jaxpr, (Flags(True, False),), mode).in_flags
+    cf = analyze(ctx, cond.jaxpr, (Use(True, False),), mode).in_flags
     decided = frozenset(i for i in range(ncarry) if cf[cn + i][0])
     while True:
-        out_flags = tuple(Flags(i in decided, False) for i in range(ncarry))
+        out_flags = tuple(Use(i in decided, False) for i in range(ncarry))
         bf = analyze(ctx, body.jaxpr, out_flags, mode).in_flags
         grown = decided | {i for i in range(ncarry) if bf[bn + i][0]}
         if grown == decided:

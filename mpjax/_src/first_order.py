@@ -10,7 +10,6 @@ primitive is (moves data, decides, fills, ...) is its record in ``ops.py``.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ import numpy as np
 
 from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast_uses import Facts
+from mpjax._src.autocast_uses import Uses
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.half_grads import dot_wide_grads, grows_half
 from mpjax._src.islands import as_island
@@ -31,6 +30,7 @@ from mpjax._src.rules import (
     FILL_OPS,
     Action,
     Hold,
+    Mode,
     Operand,
     WideSums,
     looks_up_half,
@@ -47,9 +47,10 @@ class RuleContext(Protocol):
     """What a first-order rule needs of autocast's evaluation context (autocast.Context)."""
 
     policy: Policy
+    in_rule: bool  # a custom-derivative rule is being evaluated (see rules.WideSums.of)
 
 
-# The first-order rules, by primitive: (ctx, eqn, operand values, env, facts, mode, traceback)
+# The first-order rules, by primitive: (ctx, eqn, operand values, env, uses, mode, traceback)
 # -> (result values, held kinds). autocast.RULES extends them with the higher-order ones.
 RULES = interpret.Rules()
 
@@ -94,10 +95,10 @@ def results(eqn: Any, out: Any, hold: int = Hold.NONE) -> tuple[list[Any], list[
 
 @RULES.set_default
 def _primitive_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A first-order equation under the dtype rule (rules.target_dtype)."""
-    return _apply(ctx, eqn, invals, env, facts, mode, _cast_and_bind)
+    return _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
 
 
 def _apply(
@@ -105,48 +106,47 @@ def _apply(
     eqn: Any,
     invals: list[Any],
     env: Values,
-    facts: Facts,
-    mode: Any,
+    uses: Uses,
+    mode: Mode,
     cast_and_bind: Callable[..., tuple[list[Any], list[int]]],
 ) -> tuple[list[Any], list[int]]:
     """`eqn` as rules.target_dtype decides: kept as it is (data movement), as traced, or run
     by `cast_and_bind` on its operands cast to the decision's dtype (see _cast_and_bind)."""
-    static, held, carried = env.operand_facts(eqn)
     if eqn.primitive.name in FILL_OPS and saturates_fills(mode):
         invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
-    decision = _decide(ctx, eqn, vals, env, facts, mode, (static, held, carried))
-    wide = WideSums.of(mode, IN_RULE.get())
+    decision = _decide(ctx, eqn, vals, env, uses, mode)
+    wide_sums = WideSums.of(mode, ctx.in_rule)
     if decision.action is Action.KEEP:
-        return results(eqn, _keep(eqn, invals, env, mode, wide), decision.hold)
+        return results(eqn, _keep(eqn, invals, env, mode, wide_sums), decision.hold)
     if decision.action is Action.UNTOUCHED:
         return results(eqn, bind_untouched(eqn, invals), decision.hold)
     if decision.action is Action.TRACED:
-        env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
+        env.mark_results(eqn, index=True)
         traced = to_traced(invals, [v.aval for v in eqn.invars])
         return results(eqn, jc.bind(eqn.primitive, traced, eqn.params), decision.hold)
-    return cast_and_bind(eqn, vals, invals, env, mode, decision, wide)
+    return cast_and_bind(eqn, vals, invals, env, mode, decision, wide_sums)
 
 
 def _decide(
-    ctx: RuleContext, eqn: Any, vals: list[Any], env: Values, facts: Facts, mode: Any, operands: Any
+    ctx: RuleContext, eqn: Any, vals: list[Any], env: Values, uses: Uses, mode: Mode
 ) -> Any:
     """rules.target_dtype's decision for `eqn`, from what `env` and `facts` know of its
-    operands (`operands`: their static, held and carried facts) and results."""
-    static, held, carried = operands
+    operands and results."""
     name = eqn.primitive.name
-    known = [env.known_value(v) if s else None for v, s in zip(eqn.invars, static, strict=True)]
-    facts_of = [
-        Operand(
-            held=held[i],
-            static=static[i],
-            is_index=not isinstance(v, jc.Literal) and v in env.index,
-            known=known[i],
-            feeds=facts.flags(v).decides or facts.flags(env.source(v)).decides,
-            carried=carried[i],
+    facts_of = []
+    for v in eqn.invars:
+        static = env.is_static(v)
+        facts_of.append(
+            Operand(
+                held=env.held_kind(v),
+                static=static,
+                is_index=env.is_index(v),
+                known=env.known_value(v) if static else None,
+                feeds=uses.of(v).decides or uses.of(env.source(v)).decides,
+                carried=env.is_carried(v),
+            )
         )
-        for i, v in enumerate(eqn.invars)
-    ]
     return _target_dtype(
         name,
         eqn,
@@ -154,15 +154,15 @@ def _decide(
         mode,
         ctx.policy,
         facts_of,
-        [facts.flags(v) for v in eqn.outvars],
+        [uses.of(v) for v in eqn.outvars],
         bias_add=name == "add" and env.is_bias_add(eqn),
     )
 
 
-def _keep(eqn: Any, invals: list[Any], env: Values, mode: Any, wide: WideSums) -> Any:
+def _keep(eqn: Any, invals: list[Any], env: Values, mode: Mode, wide_sums: WideSums) -> Any:
     """`eqn` (data movement) on its operands as they are, in their dtypes."""
     param = bool(eqn.invars) and env.is_param(eqn.invars[0])
-    if (wide.sums or (wide.grads and param)) and grows_half(eqn, invals):
+    if (wide_sums.activations or (wide_sums.grads and param)) and grows_half(eqn, invals):
         # A broadcast that grows a half value: its transpose sums the cotangent over the new
         # axes (a diffusion UNet's time embedding, grouped-query attention's repeated keys).
         # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
@@ -170,7 +170,7 @@ def _keep(eqn: Any, invals: list[Any], env: Values, mode: Any, wide: WideSums) -
         return jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
     out = jc.bind(eqn.primitive, invals, eqn.params)
     if eqn.primitive.name in _MOVES and moves_half(mode):
-        env.move(eqn, invals, np.dtype(mode.compute_dtype), wide.grads)
+        env.move(eqn, invals, np.dtype(mode.compute_dtype), wide_sums.grads)
     return out
 
 
@@ -179,9 +179,9 @@ def _cast_and_bind(
     vals: list[Any],
     invals: list[Any],
     env: Values,
-    mode: Any,
+    mode: Mode,
     decision: Any,
-    wide: WideSums,
+    wide_sums: WideSums,
     bind: Callable[..., Any] | None = None,
 ) -> tuple[list[Any], list[int]]:
     """`eqn` on its float operands cast to the decision's dtype, by `bind` (`eqn`'s primitive
@@ -195,7 +195,9 @@ def _cast_and_bind(
             x,
             target,
             out_shape if out_shape is not None else tuple(x.shape),
-            wide.grads if x.dtype == np.float32 else wide.sums or (wide.grads and env.is_param(v)),
+            wide_sums.grads
+            if x.dtype == np.float32
+            else wide_sums.activations or (wide_sums.grads and env.is_param(v)),
             sharding,
         )
         if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
@@ -206,11 +208,11 @@ def _cast_and_bind(
     if bind is None:
         out = jc.bind(eqn.primitive, cast_vals, params)
     else:
-        out = bind(eqn, vals, cast_vals, params, env, np.dtype(target), wide)
+        out = bind(eqn, vals, cast_vals, params, env, np.dtype(target), wide_sums)
     if params.get("preferred_element_type") not in (None, np.dtype(target)):
         hold = Hold.STAT  # a float32 result the program asked for stays float32, as a statistic
     elif name in op_lists(mode)[0]:
-        env.lowered.update(eqn.outvars)
+        env.mark_results(eqn, lowered=True)
     return results(eqn, out, hold)
 
 
@@ -219,13 +221,13 @@ def _cast_and_bind(
 
 @RULES.register("convert_element_type")
 def _convert_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A convert from an integer or a bool makes an index (see Values.index); one between
     floats converts to the dtype the rule decides, the traced target's where it casts."""
     if not is_float_dtype(eqn.invars[0].aval.dtype):
-        env.index.update(v for v in eqn.outvars if not isinstance(v, jc.DropVar))
-    return _apply(ctx, eqn, invals, env, facts, mode, _convert)
+        env.mark_results(eqn, index=True)
+    return _apply(ctx, eqn, invals, env, uses, mode, _convert)
 
 
 def _convert(
@@ -239,46 +241,46 @@ def _convert(
 
 @RULES.register("broadcast_in_dim")
 def _broadcast_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A broadcast under the dtype rule; one that grows its operand is recorded as spread, so
     that adding it to a matmul's result is a bias add (see Values.is_bias_add)."""
-    out = _apply(ctx, eqn, invals, env, facts, mode, _cast_and_bind)
+    out = _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
     if n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
-        env.spread.update(eqn.outvars)
+        env.mark_results(eqn, spread=True)
     return out
 
 
 @RULES.register("gather")
 def _gather_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A gather under the dtype rule; a lookup in a param table at O2/O3 takes its rows in
     half (rules.looks_up_half), even where a float32 op (a norm) takes them, so the lookup and
     the collectives on it move half bytes. Rows a comparison reads (a decision) keep float32."""
-    outs, holds = _apply(ctx, eqn, invals, env, facts, mode, _cast_and_bind)
+    outs, holds = _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
     out = eqn.outvars[0]
     if (
         looks_up_half(mode)
         and env.is_param(eqn.invars[0])
-        and not facts.flags(out).decides
-        and (out, np.dtype(mode.compute_dtype)) in env.twins
+        and not uses.of(out).decides
+        and np.dtype(mode.compute_dtype) in env.facts(out).twins
     ):
         # Rows of half values (see Values.move), cast up: a float32 island starts here.
-        twin = env.twins[(out, np.dtype(mode.compute_dtype))]
-        env.island.add(out)
+        twin = env.facts(out).twins[np.dtype(mode.compute_dtype)]
+        env.facts(out).island = True
         outs[0] = as_island(jc.convert(twin, outs[0].dtype))
     return outs, holds
 
 
 @RULES.register("dot_general")
 def _dot_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, facts: Facts, mode: Any, tb: Any
+    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
     """A matmul under the dtype rule; where the policy reduces gradients in float32, that of a
     param comes out of the half matmul in float32 (see _bind_wide_grads)."""
     cast_and_bind = functools.partial(_cast_and_bind, bind=_bind_wide_grads)
-    return _apply(ctx, eqn, invals, env, facts, mode, cast_and_bind)
+    return _apply(ctx, eqn, invals, env, uses, mode, cast_and_bind)
 
 
 def _bind_wide_grads(
@@ -288,14 +290,14 @@ def _bind_wide_grads(
     params: dict[str, Any],
     env: Values,
     target: np.dtype,
-    wide: WideSums,
+    wide_sums: WideSums,
 ) -> Any:
     """A half matmul whose float32 operands that are inputs of the program (a weight, moved
     by reshapes at most) get float32 gradients: the matmul runs in half, and the gradient of
     such an operand comes out of a half matmul that writes float32, so its sum over the batch,
     and the all-reduce a partitioner puts on it, are float32."""
     wide_dot = [
-        wide.grads
+        wide_sums.grads
         and target.itemsize < 4
         and is_float_dtype(getattr(x, "dtype", np.int32))
         and not env.is_static(v)
@@ -313,9 +315,3 @@ def _bind_wide_grads(
 # Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
 # a reshard; on JAX 0.6 a gather between two mesh_casts).
 _MOVES = ops.having(Trait.CAST_FIRST)
-
-
-# True while a custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
-# linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
-# reductions that need one (dot_wide_grads, gather_half) keep JAX's own rules there.
-IN_RULE: contextvars.ContextVar[bool] = contextvars.ContextVar("mpjax_in_rule", default=False)

@@ -405,24 +405,24 @@ class _Sites:
         rules = autocast_lib.RULES.extend()
 
         @rules.register("dot_general")
-        def dot(ctx: Any, eqn: Any, invals: list[Any], env: Any, facts: Any, mode: Any, tb: Any):
+        def dot(ctx: Any, eqn: Any, invals: list[Any], env: Any, uses: Any, mode: Any, tb: Any):
             if isinstance(mode, Policy):
                 out = self(eqn, invals, mode)
                 if out is not None:
                     return [out], [False]
-            return rules.inherited(eqn)(ctx, eqn, invals, env, facts, mode, tb)
+            return rules.inherited(eqn)(ctx, eqn, invals, env, uses, mode, tb)
 
         @rules.register("scan", "cond", *interpret.REMATS)
-        def body(ctx: Any, eqn: Any, invals: list[Any], env: Any, facts: Any, mode: Any, tb: Any):
+        def body(ctx: Any, eqn: Any, invals: list[Any], env: Any, uses: Any, mode: Any, tb: Any):
             if isinstance(mode, Policy):
                 extra = self.body(eqn, mode)
                 if extra is not None:
                     out = autocast_lib.bind_with_bodies(
-                        ctx, eqn, invals, env, facts, mode, tb, extra
+                        ctx, eqn, invals, env, uses, mode, tb, extra
                     )
                     if out is not None:
                         return out
-            return rules.inherited(eqn)(ctx, eqn, invals, env, facts, mode, tb)
+            return rules.inherited(eqn)(ctx, eqn, invals, env, uses, mode, tb)
 
         return rules
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from mpjax._src import jax_compat as jc
 
 T = TypeVar("T")
+R = TypeVar("R", bound=Callable[..., Any])  # a rule
 
 # -- the layouts of higher-order primitives --------------------------------------------------------
 
@@ -132,21 +133,21 @@ class Rules:
         self._higher_order = higher_order
         self._parent = parent
 
-    def register(self, *names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def register(self, *names: str) -> Callable[[R], R]:
         """Registers the decorated function as the rule of each primitive in `names`."""
 
-        def deco(rule: Callable[..., Any]) -> Callable[..., Any]:
+        def deco(rule: R) -> R:
             for name in names:
                 self._rules[name] = rule
             return rule
 
         return deco
 
-    def set_default(self, rule: Callable[..., Any]) -> Callable[..., Any]:
+    def set_default(self, rule: R) -> R:
         self._default = rule
         return rule
 
-    def set_higher_order(self, rule: Callable[..., Any]) -> Callable[..., Any]:
+    def set_higher_order(self, rule: R) -> R:
         self._higher_order = rule
         return rule
 

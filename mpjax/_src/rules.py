@@ -16,7 +16,7 @@ applies it. Two decisions are made here:
 from __future__ import annotations
 
 import enum
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, TypeGuard, Union
 
 import numpy as np
 
@@ -25,6 +25,10 @@ from mpjax._src import ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype, max_exponent
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
+
+# What an equation runs under: a policy, or a region's full precision ("f32", a norm under the
+# Flax wrappers, mpjax.full_precision) or half ("half", mpjax.half_precision).
+Mode = Union[Policy, Literal["f32", "half"]]  # noqa: UP007 (a runtime alias on Python 3.10)
 
 # Ops that take operands of unrelated dtypes and pass them through.
 PASS_OPS = ops.having(Trait.PASSES)
@@ -86,7 +90,7 @@ def _widest(dtypes: list[np.dtype]) -> np.dtype:
     return np.dtype(best)
 
 
-def _as(known: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def _exact_and_cast(known: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """`known` and `known` cast to `dtype`, both as float64."""
     with np.errstate(all="ignore"):
         return np.asarray(known, np.float64), np.asarray(known).astype(dtype).astype(np.float64)
@@ -94,23 +98,23 @@ def _as(known: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
 
 def _underflows(known: np.ndarray, dtype: np.dtype) -> bool:
     """Whether casting `known` to `dtype` turns a nonzero into zero (an epsilon of 1e-12)."""
-    k, cast = _as(known, dtype)
+    k, cast = _exact_and_cast(known, dtype)
     return bool(np.any((k != 0) & (cast == 0)))
 
 
 def _changes_meaning(known: np.ndarray, dtype: np.dtype) -> bool:
     """Whether casting the trace-time constant `known` to `dtype` turns a finite value into an
     infinity or a nonzero into zero (a mask fill of -1e30, an epsilon of 1e-12 in float16)."""
-    k, cast = _as(known, dtype)
+    k, cast = _exact_and_cast(known, dtype)
     return bool(np.any(np.isfinite(k) & ~np.isfinite(cast))) or _underflows(known, dtype)
 
 
-def beyond(known: Any, dtype: np.dtype) -> bool:
+def may_exceed(known: Any, dtype: np.dtype) -> bool:
     """Whether a value, `known` or not (None), may lie beyond `dtype`'s finite range."""
     return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > dtype_max(dtype)))
 
 
-def op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
+def op_lists(mode: Mode) -> tuple[frozenset[str], frozenset[str]]:
     """The (lower, f32) op lists in force under `mode`."""
     if isinstance(mode, Policy) and mode.half and mode.level != "O0":
         return mode.lower_ops, mode.f32_ops
@@ -120,20 +124,20 @@ def op_lists(mode: Any) -> tuple[frozenset[str], frozenset[str]]:
 # -- what each level does beyond the dtype of an op ----------------------------------------------
 
 
-def saturates_fills(mode: Any) -> bool:
+def saturates_fills(mode: Mode) -> TypeGuard[Policy]:
     """Whether a fill's constant beyond the half's range is clamped to it (see
     Values.saturate_fills): at O3 the program runs as if written in half, where
     ``jnp.where(mask, x, finfo(dtype).min)`` fills with the half's minimum."""
     return isinstance(mode, Policy) and mode.level == "O3" and mode.half
 
 
-def moves_half(mode: Any) -> bool:
+def moves_half(mode: Mode) -> TypeGuard[Policy]:
     """Whether data movement of a float32 value also makes its half twin (see Values.move),
     so that a consumer casting it down moves half bytes, as ``.astype`` before it would."""
     return isinstance(mode, Policy) and mode.half and mode.level != "O0"
 
 
-def looks_up_half(mode: Any) -> bool:
+def looks_up_half(mode: Mode) -> TypeGuard[Policy]:
     """Whether a lookup in a param table takes its rows in half even where a float32 op takes
     them (a norm): at O2/O3, where params are half, as apex casts the model."""
     return isinstance(mode, Policy) and mode.half and mode.level in ("O2", "O3")
@@ -145,21 +149,21 @@ class WideSums(NamedTuple):
     # Sums the backward pass makes of a broadcast half activation (a UNet's time embedding,
     # grouped-query attention's repeated keys) run in float32 at O1/O2: no gradient leaves
     # the device for them.
-    sums: bool
+    activations: bool
     # Those of float32 values cast to half (a bias, a positional table, an embedding row) are
     # the gradients' own sums: they run in the policy's reduce dtype.
     grads: bool
 
     @classmethod
-    def of(cls, mode: Any, in_rule: bool = False) -> WideSums:
+    def of(cls, mode: Mode, in_rule: bool = False) -> WideSums:
         """The sums `mode` widens; none of the gradients' own inside a custom-derivative rule
         (`in_rule`), where the float32 reductions that need a custom_vjp cannot run."""
         policy = mode if isinstance(mode, Policy) else None
         if policy is None or not policy.half:
             return cls(False, False)
-        sums = policy.level in ("O1", "O2")
+        activations = policy.level in ("O1", "O2")
         grads = not in_rule and policy.level != "O0" and policy.gradient_dtype.itemsize >= 4
-        return cls(sums, grads)
+        return cls(activations, grads)
 
 
 # -- what each value is used for ----------------------------------------------------------------
@@ -167,40 +171,40 @@ class WideSums(NamedTuple):
 # A backward pass over a jaxpr marks each float value with two facts: it feeds a decision (a
 # comparison, an integer convert, a sort, a loop condition), and it feeds only f32-list ops.
 # Producers of the first keep their traced dtype; producers of the second compute in float32.
-class Flags(NamedTuple):
+class Use(NamedTuple):
     """What a value is used for (see :func:`use_flags`)."""
 
     decides: bool  # it feeds a decision
     f32_only: bool  # it feeds only f32-list ops
 
 
-NO_USE = Flags(False, False)
+NO_USE = Use(False, False)
 
 
-def use_flags(eqn: Any, mode: Any, out_dec: bool, out_f32: bool) -> list[Flags]:
+def use_flags(eqn: Any, mode: Mode, out_dec: bool, out_f32: bool) -> list[Use]:
     """What a primitive equation's operands are used for, given its results' uses: they
     decide something (their results are integers, bools or an order), or feed only f32-list
     ops (through an elementwise op whose results do)."""
     name, n = eqn.primitive.name, len(eqn.invars)
     if name in DECISION_OPS or not any(is_float_dtype(v.aval.dtype) for v in eqn.outvars):
-        return [Flags(True, False)] * n  # floats that become integers, bools or bits decide
+        return [Use(True, False)] * n  # floats that become integers, bools or bits decide
     lower, f32 = op_lists(mode)
     if name in PASS_OPS or name == "broadcast_in_dim":
         # A softmax's row max, broadcast and stop_gradient'ed, that feeds only its exp: the
         # max is taken in float32 as well, inside the softmax's island (the same value: a
         # max is exact in any float dtype), so that XLA sees one softmax to fuse.
-        return [Flags(out_dec, out_f32)] * n
+        return [Use(out_dec, out_f32)] * n
     if name not in ops.KNOWN_OPS and name in SHAPE_OPS:
-        return [Flags(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
+        return [Use(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
     if name in _EXACT_REDUCTIONS:
         # ...but the max does not pull the scores' producer into float32: the island starts
         # where it started, at the half scores.
-        return [Flags(out_dec, False)] * n
+        return [Use(out_dec, False)] * n
     if name in lower or name not in ops.KNOWN_OPS:
         return [NO_USE] * n
     if name in f32:
-        return [Flags(out_dec, True)] * n
-    return [Flags(out_dec, out_f32)] * n
+        return [Use(out_dec, True)] * n
+    return [Use(out_dec, out_f32)] * n
 
 
 # -- the dtype each equation runs in --------------------------------------------------------------
@@ -238,10 +242,10 @@ def target_dtype(
     name: str,
     eqn: Any,
     vals: list[Any],
-    mode: Any,
+    mode: Mode,
     base: Policy,
     operands: list[Operand],
-    out_flags: list[Flags],
+    out_flags: list[Use],
     bias_add: bool = False,
 ) -> Decision:
     """The rule: the dtype float operands are cast to, and whether the result is held in float32.
@@ -251,19 +255,19 @@ def target_dtype(
     them down), GUARD for float16 activations leaving a float32 region (held for the range;
     ops that commute with a cast run on them in half).
     """
-    fin = [i for i, v in enumerate(eqn.invars) if is_float_dtype(v.aval.dtype)]
-    if not fin:
+    floats_at = [i for i, v in enumerate(eqn.invars) if is_float_dtype(v.aval.dtype)]
+    if not floats_at:
         return Decision(Action.KEEP)
     held = [o.held for o in operands]
     static = [o.static for o in operands]
     if name in SHAPE_OPS or name in PASS_OPS:
-        return Decision(Action.KEEP, hold=Hold(max(held[i] for i in fin)))
+        return Decision(Action.KEEP, hold=Hold(max(held[i] for i in floats_at)))
     if name in TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
         return Decision(Action.UNTOUCHED)  # unknown primitive: never wrong, only slower
-    traced = [np.dtype(eqn.invars[i].aval.dtype) for i in fin]
+    traced = [np.dtype(eqn.invars[i].aval.dtype) for i in floats_at]
     full = _widest([*traced, np.dtype(np.float32)])
     if mode == "f32" or mode == "half":
-        return _region_decision(name, mode, base, full, [(held[i], static[i]) for i in fin])
+        return _region_decision(name, mode, base, full, [(held[i], static[i]) for i in floats_at])
     policy: Policy = mode
     if policy.level == "O0" or not policy.half:
         return Decision(Action.CAST, full)
@@ -273,10 +277,12 @@ def target_dtype(
     lower, f32 = op_lists(policy)
     strong_in = [
         i
-        for i in fin
+        for i in floats_at
         if not isinstance(eqn.invars[i], jc.Literal) and not eqn.invars[i].aval.weak_type
     ]
-    as_traced = _as_traced(name, name in lower, fouts, out_flags, traced, fin, strong_in, operands)
+    as_traced = _as_traced(
+        name, name in lower, fouts, out_flags, traced, floats_at, strong_in, operands
+    )
     if as_traced is not None:
         return as_traced
     if name in f32 or (name not in lower and fouts and all(f.f32_only for f in out_flags)):
@@ -295,10 +301,10 @@ def target_dtype(
                 held[i],
                 static[i],
             )
-            for i in fin
+            for i in floats_at
         ]
         target, hold = _follow_target(name, policy, floats, full, bias_add)
-    explicit = _explicit_half(eqn, fin, policy)
+    explicit = _explicit_half(eqn, floats_at, policy)
     if explicit is not None and np.dtype(target).itemsize < 4:
         target = explicit
     return _keeping_constants(name, target, hold, full, [o.known for o in operands])
@@ -330,9 +336,9 @@ def _as_traced(
     name: str,
     is_lower: bool,
     fouts: list[Any],
-    out_flags: list[Flags],
+    out_flags: list[Use],
     traced: list[Any],
-    fin: list[int],
+    floats_at: list[int],
     strong_in: list[int],
     operands: list[Operand],
 ) -> Decision | None:
@@ -344,7 +350,7 @@ def _as_traced(
     if not is_lower and (decides or all(not v.aval.shape for v in fouts)):
         # decisions and scalar bookkeeping (tensor math follows the policy)
         return Decision(Action.TRACED)
-    if name in CARRY_OPS and any(operands[i].carried for i in fin):
+    if name in CARRY_OPS and any(operands[i].carried for i in floats_at):
         # The loop's state updated by a small step keeps the dtype it entered the loop with.
         return Decision(Action.CAST, _widest(traced))
     if not is_lower and strong_in and all(index[i] or static[i] for i in strong_in):
@@ -406,13 +412,15 @@ class _Operand(NamedTuple):
     static: bool  # computed without float inputs (a constant, a mask)
 
 
-def _explicit_half(eqn: Any, fin: list[int], policy: Policy) -> np.dtype | None:
+def _explicit_half(eqn: Any, floats_at: list[int], policy: Policy) -> np.dtype | None:
     """The half dtype the program itself chose for this op, when it is not the policy's: every
     float operand (literals aside) was traced in it, as in a Flax module built with
     ``dtype=jnp.bfloat16`` under a float16 policy. Such a choice is honoured, as Keras honours
     a layer's own dtype policy (torch.amp overrides it)."""
     traced: set[np.dtype[Any]] = {
-        np.dtype(eqn.invars[i].aval.dtype) for i in fin if not isinstance(eqn.invars[i], jc.Literal)
+        np.dtype(eqn.invars[i].aval.dtype)
+        for i in floats_at
+        if not isinstance(eqn.invars[i], jc.Literal)
     }
     if len(traced) != 1:
         return None

@@ -1,11 +1,11 @@
-"""What autocast knows of each value while it evaluates a jaxpr (`Values`): the values, which
-are constants, held in float32, indices, loop carries, params, half twins, island members, and
-the casts it made; and `cast`, its one convert."""
+"""What autocast knows of each value while it evaluates a jaxpr: one `ValueFacts` record per
+value (a constant, held in float32, an index, a loop carry, a param, its half twins, an island
+member, the casts made of it), kept by `Values` with the values; and `cast`, its one convert."""
 
 from __future__ import annotations
 
-import contextvars
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,21 +17,28 @@ from mpjax._src.dtypes import dtype_max, is_float_dtype
 from mpjax._src.half_grads import gather_half
 from mpjax._src.islands import ISLAND_OPS, as_island, is_island_call
 from mpjax._src.ops import Trait
-from mpjax._src.rules import SHAPE_OPS, Hold, beyond, n_elements
+from mpjax._src.rules import SHAPE_OPS, Hold, may_exceed, n_elements
 
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
 KNOWN_LIMIT = 1 << 16
 
 
-def cast(x: Any, dtype: np.dtype, weak_type: bool = False, saturate: bool = False) -> Any:
+def cast(
+    x: Any,
+    dtype: np.dtype,
+    weak_type: bool = False,
+    saturate: bool = False,
+    keep_constant: bool = False,
+) -> Any:
     """One convert, as ``x.astype(dtype)``: a value that overflows `dtype` becomes inf, as in
     hand-written code and every peer, so loss scaling and find_nonfinite see it. `saturate`
     clamps finite values to `dtype`'s range first; only for values with no derivative path
-    (see Values._saturate), where the clamp costs no residual."""
+    (see Values._saturate), where the clamp costs no residual. `keep_constant` (for
+    mpjax.compare's float32 shadow, see autocast_api.for_shadow): a constant cast down stays a
+    convert of its value, instead of folding into a constant of `dtype`."""
     if getattr(x, "dtype", None) == dtype and not weak_type:
         return x
-    if SHADOW_CACHE.get() and not isinstance(x, jax.core.Tracer):
-        # See for_shadow: a constant cast down stays a convert of its float32 value.
+    if keep_constant and not isinstance(x, jax.core.Tracer):
         x = lax.optimization_barrier(x)  # type: ignore[no-untyped-call]
     if (
         saturate
@@ -52,65 +59,103 @@ def _saturate(x: Any, dtype: np.dtype) -> Any:
     return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
 
 
-class Marks(NamedTuple):
-    """Facts of a value that cross an inlined call's boundary: it is an index (a decision or
-    made from one), a loop's carry, its half twins by dtype (see Values.twins), whether it
-    belongs to a float32 island (see Values.island), and whether it is a param (see
-    Values.is_param; None where the caller does not say: an input of the body is taken as one).
-    """
-
-    is_index: bool
-    is_carried: bool
-    twins: dict[np.dtype, Any]
-    in_island: bool = False
-    is_param: bool | None = None
-
-
-class InputFacts(NamedTuple):
-    """What a caller knows of one input of a jaxpr it evaluates (see autocast.eval_jaxpr)."""
+@dataclasses.dataclass
+class ValueFacts:
+    """What autocast knows of one value. `Values` keeps one per value of the jaxpr it
+    evaluates; a call hands its body one per input, where None leaves a fact to the input's
+    dtype, and gets one back per result (see :meth:`Values.handed`)."""
 
     static: bool | None = None  # computed without float inputs; None: unless it is a float
     held: int = Hold.NONE  # whether, and why, it is held in float32
     known: Any = None  # its value when known at trace time and small
     inert: bool | None = None  # no derivative flows through it; None: where it is static
-    marks: Marks | None = None  # its marks (see Marks), where the caller has them
+    index: bool = False  # a decided value, or a float made from an integer
+    # A loop body's carry, or a value a CARRY_OPS update or a move made of one (rules.CARRY_OPS
+    # run in the carry's dtype).
+    carried: bool = False
+    island: bool = False  # a float32 island's value (see Values.tag_island)
+    # An input of the program, moved by shape ops at most: a param, whose gradient the policy's
+    # reduce dtype governs (not an activation). None, for an input: the caller does not say,
+    # and the input is taken as one.
+    param: bool | None = None
+    # Half twins by dtype: the same gather, slice or reshape applied to the value's half cast
+    # (see Values.move). A consumer that casts the moved value to that half takes the twin, so
+    # the movement, and the collective a partitioner puts on it, moves half bytes, as `.astype`
+    # before `jnp.take` does; the unused one is dead code.
+    twins: dict[np.dtype, Any] = dataclasses.field(default_factory=dict)
+    # Known within one evaluation only:
+    # the value it was moved from by shape ops (yx[:, 0] sliced twice, once for floor and once
+    # for p - floor(p), is one coordinate): facts about uses hold there;
+    origin: Any = None
+    lowered: bool = False  # the result of a lower-list op (a matmul, a convolution)
+    spread: bool = False  # the result of a broadcast that grows a value (JAX 0.6)
+    # its casts by dtype and shape: one convert per value and dtype, not per use
+    casts: dict[tuple[np.dtype, tuple[int, ...]], Any] = dataclasses.field(default_factory=dict)
 
 
 class Values:
-    """Per-jaxpr evaluation state: values, and what is known about each."""
+    """Per-jaxpr evaluation state: the values, and what is known of each (`ValueFacts`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_constants: bool = False) -> None:
         self.vals: dict[Any, Any] = {}
-        self.held: dict[Any, int] = {}  # values held in float32, by Hold kind
-        self.static: set[Any] = set()
-        self.known: dict[Any, np.ndarray] = {}
-        self.index: set[Any] = set()  # decided values and floats made from integers
-        # A loop body's carries, and those values updated by CARRY_OPS or moved by shape ops
-        # (rules.CARRY_OPS run in the carry's dtype).
-        self.carried: set[Any] = set()
-        # The value each float was moved from by shape ops (yx[:, 0] sliced twice, once for
-        # floor and once for p - floor(p), is one coordinate): facts about uses hold there.
-        self.origin: dict[Any, Any] = {}
-        # Floats with no derivative path: every float they are computed from is a literal, a
-        # trace-time constant or inert itself (a mask bias made from an integer or boolean
-        # mask). Only these saturate when cast down: a clamp of a differentiated value would
-        # save its masks for the backward pass.
-        self.inert: set[Any] = set()
-        self.lowered: set[Any] = set()  # results of lower-list ops (matmuls, convolutions)
-        self.spread: set[Any] = set()  # results of a broadcast that grows a value (JAX 0.6)
-        self.args: set[Any] = set()  # the jaxpr's inputs: params, where gradients end
-        # one convert per value and dtype, not per use
-        self.casts: dict[tuple[Any, np.dtype, tuple[int, ...]], Any] = {}
-        # Half twins of moved float32 values: the same gather, slice or reshape applied to the
-        # value's half cast (see Values.move). A consumer that casts the moved value to that
-        # half takes the twin, so the movement, and the collective a partitioner puts on it,
-        # moves half bytes, as `.astype` before `jnp.take` does; the unused one is dead code.
-        self.twins: dict[tuple[Any, np.dtype], Any] = {}
-        # Float32 islands: float32 values computed, by elementwise ops, reductions and moves,
-        # from half values (a softmax's exp and sums, a loss's log_softmax, a norm's
-        # statistics), each named ISLAND (see tag_island). The backward pass recomputes them
-        # from the half values they came from instead of keeping them in float32.
-        self.island: set[Any] = set()
+        self._facts: dict[Any, ValueFacts] = {}
+        self.keep_constants = keep_constants  # see cast's keep_constant
+
+    def facts(self, v: Any) -> ValueFacts:
+        """`v`'s record, made on first use (a literal's is a fresh one: it is static)."""
+        if isinstance(v, jc.Literal):
+            return ValueFacts(static=True, inert=True, param=False)
+        record = self._facts.get(v)
+        if record is None:
+            record = self._facts[v] = ValueFacts(static=False, inert=False, param=False)
+        return record
+
+    def enter(self, v: Any, x: Any, facts: ValueFacts) -> None:
+        """Records `v`, an input of the jaxpr, as `x` with what its caller knows (`facts`)."""
+        self.vals[v] = x
+        mine = self.facts(v)
+        mine.static = facts.static if facts.static is not None else not is_float_dtype(v.aval.dtype)
+        mine.held = facts.held
+        mine.known = facts.known
+        mine.inert = facts.inert if facts.inert is not None else mine.static
+        mine.param = facts.param is not False
+        mine.index, mine.carried, mine.island = facts.index, facts.carried, facts.island
+        mine.twins = dict(facts.twins)
+
+    def handed(self, v: Any) -> ValueFacts:
+        """What is known of `v` that a call and its body hand each other: an index, a carry,
+        its twins, island membership, whether it is a param."""
+        if isinstance(v, jc.Literal):
+            return ValueFacts()
+        f = self.facts(v)
+        return ValueFacts(
+            index=f.index,
+            carried=f.carried,
+            island=f.island,
+            param=self.is_param(v),
+            twins=dict(f.twins),
+        )
+
+    def mark_results(self, eqn: Any, **facts: bool) -> None:
+        """Sets `facts` (``index=True``, ...) on each of `eqn`'s results."""
+        for v in eqn.outvars:
+            if not isinstance(v, jc.DropVar):
+                for name, value in facts.items():
+                    setattr(self.facts(v), name, value)
+
+    def take(self, v: Any, handed: ValueFacts) -> None:
+        """Records what a call's body learnt of its result (see `handed`) for `v`."""
+        f = self.facts(v)
+        f.index |= handed.index
+        f.carried |= handed.carried
+        f.island |= handed.island
+        f.twins.update(handed.twins)
+
+    def take_results(self, eqn: Any, handed: list[ValueFacts]) -> None:
+        """`take` for each of a call's results."""
+        for v, h in zip(eqn.outvars, handed, strict=True):
+            if not isinstance(v, jc.DropVar):
+                self.take(v, h)
 
     def read(self, v: Any) -> Any:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
@@ -119,9 +164,9 @@ class Values:
         """Records an equation's results and what is known of them: held kinds, statics and
         their values, inert, carried and moved values."""
         outvals, holds = result
-        static = [self.is_static(v) for v in eqn.invars]
+        static = all(self.is_static(v) for v in eqn.invars)
         known = None
-        if all(static):
+        if static:
             known = known_outputs(eqn, [self.known_value(v) for v in eqn.invars])
         inert = all(self.is_inert(v) for v in eqn.invars if is_float_dtype(v.aval.dtype))
         carried = eqn.primitive.name in CARRY_PASS and any(
@@ -132,31 +177,27 @@ class Values:
             if isinstance(v, jc.DropVar):
                 continue
             self.vals[v] = x
-            if inert:
-                self.inert.add(v)
-            if carried and is_float_dtype(v.aval.dtype):
-                self.carried.add(v)
-            if moved and is_float_dtype(v.aval.dtype) and i == 0:
-                self.origin[v] = self.source(eqn.invars[0])
+            f = self.facts(v)
+            f.inert = bool(f.inert) or inert
+            floating = is_float_dtype(v.aval.dtype)
+            f.carried |= carried and floating
+            if moved and floating and i == 0:
+                f.origin = self.source(eqn.invars[0])
             if holds[i]:
-                self.held[v] = holds[i]
-            if all(static):
-                self.static.add(v)
+                f.held = holds[i]
+            if static:
+                f.static = True
                 if known is not None:
-                    self.known[v] = known[i]
-
-    def operand_facts(self, eqn: Any) -> tuple[list[bool], list[int], list[bool]]:
-        """Whether each operand of `eqn` is static, its held kind, and whether it is carried."""
-        static = [self.is_static(v) for v in eqn.invars]
-        held = [self.held_kind(v) for v in eqn.invars]
-        carried = [self.is_carried(v) for v in eqn.invars]
-        return static, held, carried
+                    f.known = known[i]
 
     def is_static(self, v: Any) -> bool:
-        return isinstance(v, jc.Literal) or v in self.static
+        return bool(self.facts(v).static)
 
     def known_value(self, v: Any) -> Any:
-        return jc.literal_array(v) if isinstance(v, jc.Literal) else self.known.get(v)
+        return jc.literal_array(v) if isinstance(v, jc.Literal) else self.facts(v).known
+
+    def is_index(self, v: Any) -> bool:
+        return self.facts(v).index
 
     def cast(
         self,
@@ -173,29 +214,37 @@ class Values:
         jax_compat.typed_sharding): the broadcast's transpose, the gradient's sum, then runs in
         float32 (a bias's gradient), not in half."""
         if isinstance(v, jc.Literal):
-            return cast(jc.literal_array(v), dtype, saturate=self._saturate(v, dtype))
-        wide = wide_sums and x.ndim == len(shape) and x.shape != shape
-        wide = wide and np.dtype(dtype).itemsize < 4
-        twin = self.twins.get((v, np.dtype(dtype)))
-        if twin is not None and not wide:
+            return cast(
+                jc.literal_array(v),
+                dtype,
+                saturate=self._saturate(v, dtype),
+                keep_constant=self.keep_constants,
+            )
+        widen = wide_sums and x.ndim == len(shape) and x.shape != shape
+        widen = widen and np.dtype(dtype).itemsize < 4
+        f = self.facts(v)
+        twin = f.twins.get(np.dtype(dtype))
+        if twin is not None and not widen:
             x = twin  # the same values, moved in half (see move)
-        if x.dtype == dtype and not wide:
+        if x.dtype == dtype and not widen:
             return x
-        key = (v, np.dtype(dtype), shape)
-        if key not in self.casts:
-            if wide:
+        key = (np.dtype(dtype), shape)
+        if key not in f.casts:
+            if widen:
                 # A half value goes up and back down for it (at O1/O2): XLA fuses the
                 # converts, and no float32 copy is made.
                 if x.dtype == dtype:
                     x = jc.convert(x, np.float32)
                 x = lax.broadcast_in_dim(x, shape, tuple(range(x.ndim)), out_sharding=sharding)
-            self.casts[key] = cast(x, dtype, saturate=self._saturate(v, dtype))
-        return self.casts[key]
+            f.casts[key] = cast(
+                x, dtype, saturate=self._saturate(v, dtype), keep_constant=self.keep_constants
+            )
+        return f.casts[key]
 
     def move(self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool) -> None:
-        """Makes the half twin of a data movement's result (see `twins`): the op applied to
-        its operand's twin, or to the operand's half cast, where the operand is a float32
-        value that is no constant and no statistic.
+        """Makes the half twin of a data movement's result (see ValueFacts.twins): the op
+        applied to its operand's twin, or to the operand's half cast, where the operand is a
+        float32 value that is no constant and no statistic.
 
         A movement whose transpose sums (a broadcast that grows a value, a gather that takes
         one row many times) then sums the gradient in half, as the hand-written step's does
@@ -209,21 +258,23 @@ class Values:
         name = eqn.primitive.name
         if wide_grads and name == "broadcast_in_dim" and n_elements(out) > n_elements(v):
             return
-        src = self.twins.get((v, half))
-        plain = v not in self.static and not self.held_kind(v) and v not in self.carried
+        f = self.facts(v)
+        src = f.twins.get(half)
+        plain = not f.static and not f.held and not f.carried
         if not (plain and getattr(x, "dtype", None) == np.float32):
             if src is None or name == "gather":  # only a twin moves on, and not by a gather
                 return
+        twins = self.facts(out).twins
         if wide_grads and name == "gather":
             # It gathers half bytes but transposes as the float32 gather did: the rows an
             # embedding lookup takes many times sum in float32.
             gather = gather_half(eqn.params, half, jc.aval_of(x))
-            self.twins[(out, half)] = gather(x, *invals[1:])
+            twins[half] = gather(x, *invals[1:])
             return
         try:
             if src is None:
                 src = self.cast(v, x, half, tuple(x.shape))
-            self.twins[(out, half)] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
+            twins[half] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
         except ValueError:
             # A reshard or mesh_cast whose equation runs under another mesh than its
             # operand's type: the cast cannot be made there, so no twin; the cast comes after
@@ -233,41 +284,19 @@ class Values:
     def is_bias_add(self, eqn: Any) -> bool:
         """Whether an add adds a smaller, broadcast value (a bias) to a matmul's result."""
         a, b = eqn.invars
-        if isinstance(a, jc.Literal) or a not in self.lowered:
+        if isinstance(a, jc.Literal) or not self.facts(a).lowered:
             a, b = b, a
-        if isinstance(a, jc.Literal) or a not in self.lowered or isinstance(b, jc.Literal):
+        if isinstance(a, jc.Literal) or not self.facts(a).lowered or isinstance(b, jc.Literal):
             return False
-        return is_float_dtype(b.aval.dtype) and (n_elements(b) < n_elements(a) or b in self.spread)
+        return is_float_dtype(b.aval.dtype) and (
+            n_elements(b) < n_elements(a) or self.facts(b).spread
+        )
 
     def held_kind(self, v: Any) -> int:
-        return 0 if isinstance(v, jc.Literal) else self.held.get(v, 0)
-
-    def marks(self, v: Any) -> Marks:
-        """What is known of `v` that an inlined call and its caller hand each other."""
-        if isinstance(v, jc.Literal):
-            return Marks(False, False, {})
-        twins = {d: t for (u, d), t in self.twins.items() if u is v}
-        return Marks(v in self.index, v in self.carried, twins, v in self.island, self.is_param(v))
-
-    def mark(self, v: Any, marks: Marks) -> None:
-        """Records `marks` (see `marks`) for `v`."""
-        if marks.is_index:
-            self.index.add(v)
-        if marks.is_carried:
-            self.carried.add(v)
-        for dtype, twin in marks.twins.items():
-            self.twins[(v, dtype)] = twin
-        if marks.in_island:
-            self.island.add(v)
-
-    def mark_results(self, eqn: Any, marks: list[Marks]) -> None:
-        """Records what a call's body learnt of its results (see `mark`) for `eqn`'s outputs."""
-        for v, m in zip(eqn.outvars, marks, strict=True):
-            if not isinstance(v, jc.DropVar):
-                self.mark(v, m)
+        return 0 if isinstance(v, jc.Literal) else self.facts(v).held
 
     def is_carried(self, v: Any) -> bool:
-        return not isinstance(v, jc.Literal) and v in self.carried
+        return self.facts(v).carried
 
     def tag_island(self, eqn: Any, invals: list[Any], out: Any) -> Any:
         """`out`, named ISLAND if `eqn` extends a float32 island: a float32 result of an
@@ -291,32 +320,35 @@ class Values:
         for u, x in zip(eqn.invars, invals, strict=True):
             if isinstance(u, jc.Literal) or not is_float_dtype(getattr(x, "dtype", np.int32)):
                 continue
-            if u in self.island or np.dtype(x.dtype).itemsize < 4:
+            if self.facts(u).island or np.dtype(x.dtype).itemsize < 4:
                 grows = True
             elif not (self.is_static(u) or self.is_param(u) or n_elements(u) < n_elements(v)):
                 return out  # a float32 activation of its own: nothing to recompute from
         if not grows:
             return out
-        self.island.add(v)
+        self.facts(v).island = True
         return as_island(out)
 
     def is_param(self, v: Any) -> bool:
-        """Whether `v` is an input of the jaxpr, moved by shape ops at most: a param, whose
-        gradient the policy's reduce dtype governs (not an activation)."""
-        return not isinstance(v, jc.Literal) and self.source(v) in self.args
+        """Whether `v` is an input of the jaxpr, moved by shape ops at most (see
+        ValueFacts.param)."""
+        return not isinstance(v, jc.Literal) and bool(self.facts(self.source(v)).param)
 
     def source(self, v: Any) -> Any:
         """The value `v` was moved from by shape ops (itself if none)."""
-        return v if isinstance(v, jc.Literal) else self.origin.get(v, v)
+        if isinstance(v, jc.Literal):
+            return v
+        origin = self.facts(v).origin
+        return v if origin is None else origin
 
     def is_inert(self, v: Any) -> bool:
-        return isinstance(v, jc.Literal) or v in self.inert
+        return bool(self.facts(v).inert)
 
     def _saturate(self, v: Any, dtype: np.dtype) -> bool:
         """Whether a cast of `v` clamps: only an inert value not known to fit."""
         if not self.is_inert(v):
             return False
-        return beyond(self.known_value(v), dtype)
+        return may_exceed(self.known_value(v), dtype)
 
     def saturate_fills(self, eqn: Any, invals: list[Any], half: np.dtype) -> list[Any]:
         """A fill op's known constants beyond `half`'s range, clamped to it in their own dtype:
@@ -326,7 +358,7 @@ class Values:
         out = list(invals)
         for i, v in enumerate(eqn.invars):
             known = self.known_value(v)
-            if known is None or not is_float_dtype(v.aval.dtype) or not beyond(known, half):
+            if known is None or not is_float_dtype(v.aval.dtype) or not may_exceed(known, half):
                 continue
             lim = dtype_max(half)
             fill = np.where(np.isfinite(known), np.clip(known, -lim, lim), known)
@@ -352,10 +384,6 @@ def known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
 
 # Ops whose result is still the loop's carry when an operand is: updates and moves.
 CARRY_PASS = ops.having(Trait.CARRIES | Trait.MOVES | Trait.PASSES | Trait.CAST)
-
-
-# The cache that autocast's traces go to ("" outside for_shadow; see for_shadow).
-SHADOW_CACHE: contextvars.ContextVar[str] = contextvars.ContextVar("mpjax_shadow", default="")
 
 
 # -- an equation's params for operands cast to a new dtype ----------------------------------
@@ -405,9 +433,9 @@ def dynamic_leaves(leaves: Any) -> list[int]:
     return [i for i, x in enumerate(leaves) if is_dynamic(x)]
 
 
-def fill_dynamic(leaves: Any, dynamic: list[int], dyn: Any) -> list[Any]:
-    """`leaves` with the dynamic ones replaced by `dyn`."""
+def fill_dynamic(leaves: Any, dynamic: list[int], arrays: Any) -> list[Any]:
+    """`leaves` with the dynamic ones replaced by `arrays`."""
     full = list(leaves)
-    for i, x in zip(dynamic, dyn, strict=True):
+    for i, x in zip(dynamic, arrays, strict=True):
         full[i] = x
     return full
