@@ -124,3 +124,14 @@ def test_the_default_rule_is_a_page_and_names_no_primitive():
         assert named <= {"add"}, (name, named)
     registered = _function("mpjax._src.first_order", "_gather_rule")
     assert registered.decorator_list, "the special cases are registered rules"
+
+
+def test_the_core_keeps_no_hidden_state():
+    """The interpreter core reads what it needs from its arguments (autocast.Context): no
+    context variable, so a rule's behaviour shows in its signature."""
+    core = ["interpret", "ops", "rules", "first_order", "autocast", "autocast_uses", "values"]
+    modules = _modules()
+    for name in core:
+        source = modules[f"mpjax._src.{name}"].read_text()
+        assert "ContextVar" not in source and "contextvars" not in source, name
+    assert "ContextVar" in modules["mpjax._src.autocast_api"].read_text()  # the reading works

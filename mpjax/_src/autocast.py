@@ -478,7 +478,8 @@ def _remat_rule(
     return _rebuild_rule(ctx, eqn, invals, env, uses, mode, tb)
 
 
-@RULES.register(*_CUSTOM_CALLS, "scan", "while", "cond", "shard_map")
+# Every primitive with bodies autocast rebuilds, a user's remat aside (see _remat_rule).
+@RULES.register(*(name for name in _SUBJAXPR_PARAMS if name not in interpret.REMATS))
 def _rebuild_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
