@@ -29,6 +29,7 @@ from mpjax._src.rules import (
     ELEMENTWISE,
     FILL_OPS,
     Action,
+    Decision,
     Hold,
     Mode,
     Operand,
@@ -130,8 +131,8 @@ def _apply(
 
 def _decide(
     ctx: RuleContext, eqn: Any, vals: list[Any], env: Values, uses: Uses, mode: Mode
-) -> Any:
-    """rules.target_dtype's decision for `eqn`, from what `env` and `facts` know of its
+) -> Decision:
+    """rules.target_dtype's decision for `eqn`, from what `env` and `uses` know of its
     operands and results."""
     name = eqn.primitive.name
     facts_of = []
@@ -180,7 +181,7 @@ def _cast_and_bind(
     invals: list[Any],
     env: Values,
     mode: Mode,
-    decision: Any,
+    decision: Decision,
     wide_sums: WideSums,
     bind: Callable[..., Any] | None = None,
 ) -> tuple[list[Any], list[int]]:
