@@ -32,7 +32,7 @@ from mpjax._src.first_order import (
 from mpjax._src.islands import remat_islands
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
-from mpjax._src.rules import NO_USE, Mode, Use
+from mpjax._src.rules import NO_USE, Hold, Mode, Use
 from mpjax._src.values import (
     KNOWN_LIMIT,
     ValueFacts,
@@ -289,7 +289,7 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
 
             closed = jc.trace(flat, [jc.aval_of(args[i]) for i in dynamic])
             n, nin = len(dynamic), len(held)
-            in_held = None
+            in_held: list[int] = [Hold.NONE] * n  # a backward rule: residuals, cotangents
             if n == 2 * nin:  # a jvp rule: primals, then tangents
                 in_held = held * 2
             elif n == nin:  # a forward rule: primals
@@ -302,7 +302,7 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
                     list(closed.consts),
                     list(arrays),
                     mode,
-                    inputs=[ValueFacts(static=False, held=h) for h in in_held or [0] * n],
+                    inputs=[ValueFacts(static=False, held=h) for h in in_held],
                 )
                 return to_traced(outs, closed.out_avals)
 
@@ -554,4 +554,4 @@ def bind_with_bodies(
         out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
     except _CannotRebuild:
         return None
-    return list(out), [False] * len(eqn.outvars)
+    return list(out), [Hold.NONE] * len(eqn.outvars)
