@@ -170,17 +170,17 @@ def _rebuild_closed(
     ctx: Context,
     closed: Any,
     mode: Mode,
-    flags: BodyFacts,
+    body_facts: BodyFacts,
     context: Any = None,
     traceback: Any = None,
 ) -> Any:
     """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
-    body = _body_evaluator(ctx, closed, mode, flags, traceback)
+    body = _body_evaluator(ctx, closed, mode, body_facts, traceback)
     return trace_body(lambda *args: body(list(args)), list(closed.in_avals), context)
 
 
 def _body_evaluator(
-    ctx: Context, closed: Any, mode: Mode, flags: BodyFacts, traceback: Any
+    ctx: Context, closed: Any, mode: Mode, body_facts: BodyFacts, traceback: Any
 ) -> Callable[[list[Any]], list[Any]]:
     """Evaluates a sub-jaxpr under the policy and casts its outputs back to their traced dtypes
     (loop carries and custom rules need their boundary types unchanged)."""
@@ -192,8 +192,8 @@ def _body_evaluator(
             list(closed.consts),
             args,
             mode,
-            inputs=flags.inputs,
-            out_flags=flags.out_uses,
+            inputs=body_facts.inputs,
+            out_flags=body_facts.out_uses,
             traceback=traceback,
         )
         return to_traced(outs, closed.out_avals)
@@ -213,16 +213,16 @@ _CannotRebuild = jc.CannotRebuild
 
 
 def _rebuild_param(
-    ctx: Context, value: Any, mode: Mode, flags: BodyFacts, context: Any, tb: Any
+    ctx: Context, value: Any, mode: Mode, body_facts: BodyFacts, context: Any, tb: Any
 ) -> Any:
     if isinstance(value, tuple):
-        return tuple(_rebuild_param(ctx, v, mode, flags, context, tb) for v in value)
+        return tuple(_rebuild_param(ctx, v, mode, body_facts, context, tb) for v in value)
     if isinstance(value, jc.ClosedJaxpr):
-        return _rebuild_closed(ctx, value, mode, flags, context, tb)
+        return _rebuild_closed(ctx, value, mode, body_facts, context, tb)
     if isinstance(value, jc.Jaxpr):
         if value.constvars:
             raise _CannotRebuild("open jaxpr with constvars")
-        rebuilt = _rebuild_closed(ctx, jc.ClosedJaxpr(value, []), mode, flags, context, tb)
+        rebuilt = _rebuild_closed(ctx, jc.ClosedJaxpr(value, []), mode, body_facts, context, tb)
         if rebuilt.consts:
             raise _CannotRebuild("rebuilt jaxpr captured constants")
         return rebuilt.jaxpr
@@ -317,7 +317,13 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
 
 
 def _bind_with_operands(
-    ctx: Context, eqn: Any, invals: list[Any], mode: Mode, flags: BodyFacts, tb: Any, extra: Any
+    ctx: Context,
+    eqn: Any,
+    invals: list[Any],
+    mode: Mode,
+    body_facts: BodyFacts,
+    tb: Any,
+    extra: Any,
 ) -> Any:
     """Binds a scan, remat or cond whose rebuilt bodies also take the operands `extra` gives:
     (consts, xs, enter). `consts` join a scan's constants (at the end of a remat's or a
@@ -337,7 +343,7 @@ def _bind_with_operands(
     if name == "cond":  # each branch takes the operands (not the index), then `consts`
         branches = []
         for branch in p["branches"]:
-            evaluate = _body_evaluator(ctx, branch, mode, flags, tb)
+            evaluate = _body_evaluator(ctx, branch, mode, body_facts, tb)
 
             def run(*a: Any, evaluate: Callable[[list[Any]], list[Any]] = evaluate) -> list[Any]:
                 with enter(list(a[n - 1 :]), []):
@@ -349,7 +355,7 @@ def _bind_with_operands(
     scan = name == "scan"
     closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
     nc = len(interpret.scan_parts(eqn, eqn.invars)[0]) if scan else n
-    evaluate = _body_evaluator(ctx, closed, mode, flags, tb)
+    evaluate = _body_evaluator(ctx, closed, mode, body_facts, tb)
 
     def body(*a: Any) -> list[Any]:
         args_ = list(a)
@@ -488,8 +494,8 @@ def _rebuild_rule(
         params = dict(eqn.params)
         for key in _SUBJAXPR_PARAMS[name]:
             context = jc.shard_map_context(params) if name == "shard_map" else None
-            flags = _body_facts(eqn, key, env, uses, ctx, mode)
-            params[key] = _rebuild_param(ctx, params[key], mode, flags, context, tb)
+            body_facts = _body_facts(eqn, key, env, uses, ctx, mode)
+            params[key] = _rebuild_param(ctx, params[key], mode, body_facts, context, tb)
         held = [env.held_kind(v) for v in eqn.invars]
         wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
         args = to_traced(invals, [v.aval for v in eqn.invars])
@@ -549,9 +555,9 @@ def bind_with_bodies(
     _bind_with_operands; mpjax.fp8's rules pass FP8 scales into bodies this way), or None
     where the bodies cannot be rebuilt (the rules in force then run it as usual)."""
     key = "branches" if eqn.primitive.name == "cond" else "jaxpr"
-    flags = _body_facts(eqn, key, env, uses, ctx, mode)
+    body_facts = _body_facts(eqn, key, env, uses, ctx, mode)
     try:
-        out = _bind_with_operands(ctx, eqn, invals, mode, flags, tb, extra)
+        out = _bind_with_operands(ctx, eqn, invals, mode, body_facts, tb, extra)
     except _CannotRebuild:
         return None
     return list(out), [Hold.NONE] * len(eqn.outvars)

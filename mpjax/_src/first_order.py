@@ -261,16 +261,13 @@ def _gather_rule(
     the collectives on it move half bytes. Rows a comparison reads (a decision) keep float32."""
     outs, holds = _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
     out = eqn.outvars[0]
-    if (
-        looks_up_half(mode)
-        and env.is_param(eqn.invars[0])
-        and not uses.of(out).decides
-        and np.dtype(mode.compute_dtype) in env.facts(out).twins
-    ):
-        # Rows of half values (see Values.move), cast up: a float32 island starts here.
-        twin = env.facts(out).twins[np.dtype(mode.compute_dtype)]
-        env.facts(out).island = True
-        outs[0] = as_island(jc.convert(twin, outs[0].dtype))
+    if looks_up_half(mode) and env.is_param(eqn.invars[0]) and not uses.of(out).decides:
+        facts = env.facts(out)
+        twin = facts.twins.get(np.dtype(mode.compute_dtype))
+        if twin is not None:
+            # Rows of half values (see Values.move), cast up: a float32 island starts here.
+            facts.island = True
+            outs[0] = as_island(jc.convert(twin, outs[0].dtype))
     return outs, holds
 
 

@@ -31,6 +31,7 @@ from mpjax._src.fp8_dot import (
     scale_of,
 )
 from mpjax._src.policy import Policy, is_float8
+from mpjax._src.rules import Hold
 
 _ROLES = 3
 _ALIGN = 16  # tensor cores take FP8 matrices whose dimensions are multiples of 16
@@ -379,7 +380,7 @@ class _Sites:
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
         self.frames: list[tuple[Any, Any, Any]] = [(_trace_state(), scale, sink)]
 
-    def __call__(self, eqn: Any, invals: list[Any], mode: Any) -> Any:
+    def __call__(self, eqn: Any, invals: list[Any], mode: Any, keep_constants: bool) -> Any:
         if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn):
             return None
         if self.base is not None and mode != self.base:
@@ -390,7 +391,7 @@ class _Sites:
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
-        lhs, rhs = (values.cast(x, dt) for x in invals)
+        lhs, rhs = (values.cast(x, dt, keep_constant=keep_constants) for x in invals)
         dims = eqn.params["dimension_numbers"]
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
@@ -407,9 +408,9 @@ class _Sites:
         @rules.register("dot_general")
         def dot(ctx: Any, eqn: Any, invals: list[Any], env: Any, uses: Any, mode: Any, tb: Any):
             if isinstance(mode, Policy):
-                out = self(eqn, invals, mode)
+                out = self(eqn, invals, mode, ctx.shadow)
                 if out is not None:
-                    return [out], [False]
+                    return [out], [Hold.NONE]
             return rules.inherited(eqn)(ctx, eqn, invals, env, uses, mode, tb)
 
         @rules.register("scan", "cond", *interpret.REMATS)

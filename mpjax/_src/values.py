@@ -59,7 +59,7 @@ def _saturate(x: Any, dtype: np.dtype) -> Any:
     return lax.select(lax.eq(lax.abs(x), lax.full_like(x, np.inf)), x, clamped)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ValueFacts:
     """What autocast knows of one value. `Values` keeps one per value of the jaxpr it
     evaluates; a call hands its body one per input, where None leaves a fact to the input's
