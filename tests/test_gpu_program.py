@@ -100,6 +100,24 @@ def test_kernels_of_optimized_gpu_hlo_by_kind_with_their_bytes():
     assert "5 kernels" in str(program)
 
 
+def test_every_operand_of_a_long_list_is_counted():
+    # XLA prints /*index=5*/ before the sixth operand (and every fifth after it); that
+    # operand's bytes are read like the others'.
+    text = """
+ENTRY %main (a: f32[4], b: f32[4], c: f32[4], d: f32[4], e: f32[4], f: f32[1024]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %c = f32[4]{0} parameter(2)
+  %d = f32[4]{0} parameter(3)
+  %e = f32[4]{0} parameter(4)
+  %f = f32[1024]{0} parameter(5)
+  ROOT %fusion = f32[4]{0} fusion(%a, %b, %c, %d, %e, /*index=5*/%f), kind=kLoop, calls=%x
+}
+"""
+    (kernel,) = gpu_program.read_kernels(text)
+    assert kernel.bytes == 4 * (6 * 4 + 1024)
+
+
 def test_narrowing_cast_pairs_are_counted_in_a_lowering():
     pair = jax.jit(lambda v: v.astype(jnp.bfloat16).astype(jnp.float32) * 3.0)
     once = jax.jit(lambda v: v.astype(jnp.bfloat16) * 3.0)

@@ -255,7 +255,9 @@ def _parse(text: str) -> dict[str, _Computation]:
 
 def _operand_names(inside: str) -> list[str]:
     """The operand names of an instruction's parenthesis: ``f32[8]{0} %a, %b`` (optimized
-    text) or ``a, b`` (a lowering's text)."""
+    text) or ``a, b`` (a lowering's text). XLA marks every fifth operand of a long list with
+    a comment (``/*index=5*/%f``), which is not part of the name."""
+    inside = re.sub(r"/\*.*?\*/", "", inside)
     names, depth, start = [], 0, 0
     for i, c in enumerate(inside + ","):
         if c in "([{":
