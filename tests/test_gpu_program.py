@@ -181,9 +181,10 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
     (benchmarks/gpu_program.py, tiny size): O2 with plain Adam moves no more bytes than the
     better hand-written half step (.astype or dtype=) and launches no more kernels (within a
     kernel or two), its gemms all half, with no reduction beyond the hand-written step's but
-    one. Before softmax islands differentiated from their half output and norm islands
-    recomputed without a barrier, the Transformer took 3 reductions per layer more (its
-    float32 softmax's) and the ResNet moved 1.15x the bytes (float32 BatchNorm cotangents)."""
+    one; and loss_scale(adam) moves at most one read of the gradients more than adam. Before
+    softmax islands differentiated from their half output and norm islands recomputed without
+    a barrier, the Transformer took 3 reductions per layer more (its float32 softmax's) and
+    the ResNet moved 1.15x the bytes (float32 BatchNorm cotangents)."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -192,10 +193,19 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
 
     module, x, y = memory.build(model, "tiny")
     chosen = dict(bench.variants())
-    names = (f"hand-written {half} (.astype)", f"hand-written {half} (dtype=)", f"mpjax O2 {half}")
+    names = (
+        f"hand-written {half} (.astype)",
+        f"hand-written {half} (dtype=)",
+        f"mpjax O2 {half}",
+        f"mpjax O2 {half} + loss_scale",
+    )
     rows = {name: bench.count(*bench.abstract_step(module, chosen[name], x, y)) for name in names}
     hand = min((rows[n] for n in names[:2]), key=lambda r: r["bytes_moved"])
-    o2 = rows[names[2]]
+    o2, scaled = rows[names[2]], rows[names[3]]
+    # Loss scaling's finite check and exact skip: at most one read of the gradients more
+    # (0.56-0.59 reads here; the skip's select rides on the optimizer's update kernels).
+    reads = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
+    assert reads <= 1.0, reads
     # 1.001: the tiny float16 Transformer's 0.02% (a few hundred bytes of its 3 MB).
     assert o2["bytes_moved"] <= 1.001 * hand["bytes_moved"], (o2["bytes_moved"], hand)
     assert o2["kernels"] <= 1.02 * hand["kernels"], (o2["kernels"], hand["kernels"])
@@ -366,9 +376,9 @@ def test_quantized_state_update_counted_in_the_h100_program():
     rows = {r.split("|")[1].strip(): r.split("|")[3:5] for r in md.splitlines()[4:]}
     assert float(rows["f32 params, f32 moments (optax.adam)"][1]) == 2.0, md
     # Four same-shaped matrices. Both moments' block maxima in one reduction, and the second
-    # evaluation's barrier on the codes alone: 1.180x with recompute (the default; 2.013x
-    # before), 1.057x without (1.182x before).
+    # evaluation's barrier on the codes alone: 1.018x with recompute (the default) and
+    # without, within the GPU-cost issue's 1.1x (2.013x and 1.182x before those changes).
     default = float(rows["bf16 params, 8-bit moments (quantize_moments default)"][1])
     assert default == float(rows["bf16 params, 8-bit moments, recompute=True"][1]), md
-    assert 1.0 < default <= 1.2, md
+    assert 1.0 < default <= 1.1, md
     assert float(rows["bf16 params, 8-bit moments, recompute=False"][1]) <= 1.1, md
