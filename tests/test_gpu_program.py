@@ -182,10 +182,10 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
     better hand-written half step (.astype or dtype=) and launches no more kernels (within a
     kernel or two), its gemms all half, with no reduction beyond the hand-written step's but
     one; and loss_scale(adam) moves at most one read of the gradients more than adam, in no
-    more kernels than Flax's DynamicScale takes on the dtype= step. Before
-    softmax islands differentiated from their half output and norm islands recomputed without
-    a barrier, the Transformer took 3 reductions per layer more (its float32 softmax's) and
-    the ResNet moved 1.15x the bytes (float32 BatchNorm cotangents)."""
+    more kernels than Flax's DynamicScale takes on the dtype= step. Before softmax islands
+    differentiated from their half output and norm islands recomputed without a barrier, the
+    Transformer took 3 reductions per layer more (its float32 softmax's) and the ResNet moved
+    1.15x the bytes (float32 BatchNorm cotangents)."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
