@@ -541,3 +541,60 @@ def test_a_masked_softmax_with_a_mask_input_passes_its_mask_back():
     assert np.all(np.asarray(got)[~np.asarray(mask)] == 0)
     assert rel_err(got, want) < 2e-3, rel_err(got, want)
     assert not memory.residual_bytes(o2, s, w).get("float32", 0) >= s.size * 4
+
+
+class _VAE(nn.Module):
+    """Flax's VAE example (examples/vae), smaller: its loss runs after ``apply``."""
+
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, x, key):
+        h = nn.relu(nn.Dense(64, dtype=self.dtype)(x))
+        mean, logvar = nn.Dense(8, dtype=self.dtype)(h), nn.Dense(8, dtype=self.dtype)(h)
+        z = mean + jax.random.normal(key, logvar.shape) * jnp.exp(0.5 * logvar)
+        logits = nn.Dense(256, dtype=self.dtype)(nn.relu(nn.Dense(64, dtype=self.dtype)(z)))
+        return logits, mean, logvar
+
+
+def _vae_loss(logits, mean, logvar, x):
+    """The example's loss: sigmoid cross-entropy reconstruction plus the KL term."""
+    ls = jax.nn.log_sigmoid(logits)
+    bce = -jnp.sum(x * ls + (1.0 - x) * jnp.log(-jnp.expm1(ls)), axis=-1)
+    kl = -0.5 * jnp.sum(1 + logvar - jnp.square(mean) - jnp.exp(logvar), axis=-1)
+    return (bce + kl).mean()
+
+
+@pytest.mark.parametrize("half", HALVES, ids=lambda d: jnp.dtype(d).name)
+def test_a_loss_outside_the_policy_keeps_half_residuals_by_either_recipe(half):
+    # The memory guide's "A loss computed outside the policy": O2's float32 output makes a loss
+    # written after `apply` keep float32 residuals; autocasting the loss with the model, or
+    # asking for half outputs, keeps no more than the `dtype=half` model does.
+    x = jax.random.uniform(jax.random.key(0), (32, 256))
+    key = jax.random.key(1)
+    params = _VAE().init(jax.random.key(2), x, key)["params"]
+    policy = mpjax.Policy.from_level("O2", half)
+
+    def loss_of(apply):
+        return lambda p: _vae_loss(*apply({"params": p}, x, key), x)
+
+    def residuals(loss):
+        return sum(memory.residual_bytes(loss, params).values())
+
+    steps = {
+        "dtype=": loss_of(_VAE(dtype=half).apply),
+        "default": loss_of(mpjax.flax.wrap(_VAE(), policy).apply),
+        "half out": loss_of(mpjax.flax.wrap(_VAE(), policy.with_output_dtype(half)).apply),
+        "autocast": mpjax.autocast(loss_of(_VAE().apply), policy),
+    }
+    kept = {name: residuals(loss) for name, loss in steps.items()}
+    assert kept["default"] > 1.1 * kept["dtype="], kept  # the float32 loss's residuals
+    assert kept["half out"] <= kept["dtype="], kept
+    assert kept["autocast"] <= kept["dtype="], kept
+    # ... and the gradients stay as close to the float32 step's as the dtype= model's.
+    ref = jax.tree.leaves(jax.grad(loss_of(_VAE().apply))(params))
+    err = {
+        name: max(map(rel_err, jax.tree.leaves(jax.grad(loss)(params)), ref))
+        for name, loss in steps.items()
+    }
+    assert max(err["half out"], err["autocast"]) <= 1.25 * err["dtype="], err
