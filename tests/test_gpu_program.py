@@ -179,7 +179,8 @@ def test_audit_of_the_h100_program_on_a_machine_without_a_gpu():
 def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
     """The GPU-cost targets, counted in the H100 program of the benchmark's steps
     (benchmarks/gpu_program.py, tiny size): O2 with plain Adam moves no more bytes than the
-    better hand-written half step (.astype or dtype=) and launches no more kernels (within a
+    better hand-written half step (.astype or dtype=), but for its lookups' float32 gradient
+    sums, and launches no more kernels (within a
     kernel or two), its gemms all half, with no reduction beyond the hand-written step's but
     one; and loss_scale(adam) moves at most one read of the gradients more than adam, in no
     more kernels than Flax's DynamicScale takes on the dtype= step. Before softmax islands
@@ -210,8 +211,16 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
     reads = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
     assert reads <= 1.0, reads
     assert scaled["kernels"] <= flax_scaled["kernels"], (scaled["kernels"], flax_scaled)
-    # 1.001: the tiny float16 Transformer's 0.02% (a few hundred bytes of its 3 MB).
-    assert o2["bytes_moved"] <= 1.001 * hand["bytes_moved"], (o2["bytes_moved"], hand)
+    # 1.001: the tiny float16 Transformer's 0.02% (a few hundred bytes of its 3 MB). And a
+    # lookup's gradient sums in float32 where the hand-written step sums it in half, one
+    # rounding per row taken (test_a_row_looked_up_many_times_sums_its_gradient_in_float32):
+    # 8 bytes per table element as counted (float32 zeros, the scatter's operand and result,
+    # the update's float32 read), 3.9% of the tiny Transformer's bytes, 0.1% at small size.
+    params = jax.eval_shape(module.init, jax.random.key(0), x)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    tables = sum(a.size for path, a in leaves if "embedding" in jax.tree_util.keystr(path))
+    allowed = 1.001 * hand["bytes_moved"] + 8 * tables
+    assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand, tables)
     assert o2["kernels"] <= 1.02 * hand["kernels"], (o2["kernels"], hand["kernels"])
     short = {"bfloat16": "bf16", "float16": "f16"}[half]
     if model == "transformer":

@@ -625,3 +625,49 @@ def test_autocast_around_a_shard_mapped_flax_transformer_runs_half_dots(flavour,
     ref = jax.jit(sharded)(params, ids)
     got = jax.jit(f)(params, ids).astype(jnp.float32)
     assert float(jnp.max(jnp.abs(got - ref))) < 0.05 * float(jnp.max(jnp.abs(ref)))
+
+
+# -- a lookup's gradient sums in float32 where no partitioner splits the sum ---------------------
+
+
+def _scatter_dtypes(jaxpr):
+    """The dtypes of every scatter-add in `jaxpr` and its sub-jaxprs."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "scatter-add":
+            found.append(str(e.outvars[0].aval.dtype))
+        for sub in jax.core.subjaxprs(e) if hasattr(jax.core, "subjaxprs") else ():
+            found += _scatter_dtypes(sub)
+        for p in e.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if hasattr(inner, "eqns"):
+                found += _scatter_dtypes(inner)
+    return found
+
+
+@needs_8
+def test_a_lookup_sums_its_gradient_in_float32_in_shard_map_and_in_half_under_jit():
+    # Inside shard_map each device sums its own rows (the psum is the user's): float32, one
+    # rounding per row. Under jit's partitioner the scatter-add's cross-device sum would move
+    # float32, where the policy's reduce dtype says half: there it stays half.
+    table = 1.0 + 0.1 * jax.random.normal(jax.random.key(0), (64, 32))
+    ids = jax.random.randint(jax.random.key(1), (N * 512,), 0, 8)  # 8 rows, 512 times each
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def local_loss(t, i):
+        return jax.lax.psum(jnp.sum(jnp.take(t, i, axis=0).astype(jnp.float32) ** 2), "data")
+
+    loss = shard_map(local_loss, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+    ref = jax.grad(loss)(table, ids)
+    grad = jax.grad(mpjax.autocast(loss, policy))
+    # Half params (O2 without float32 masters): before, their rows summed in bfloat16 (0.03).
+    half_table = table.astype(jnp.bfloat16)
+    got = jax.jit(grad)(half_table, ids)
+    assert rel_err(got, ref) < 0.01, rel_err(got, ref)
+    assert "float32" in _scatter_dtypes(jax.make_jaxpr(grad)(half_table, ids).jaxpr)
+
+    plain = lambda t, i: jnp.sum(jnp.take(t, i, axis=0).astype(jnp.float32) ** 2)
+    sharded_ids = jax.device_put(ids, NamedSharding(mesh, P("data")))
+    jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(plain, policy)))(table, sharded_ids).jaxpr
+    assert _scatter_dtypes(jaxpr) == ["bfloat16"], _scatter_dtypes(jaxpr)

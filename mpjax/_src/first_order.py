@@ -21,7 +21,7 @@ from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Uses
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.half_grads import dot_wide_grads, grows_half
+from mpjax._src.half_grads import dot_wide_grads, gather_summing_wide, grows_half, sums_repeats
 from mpjax._src.islands import as_island
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
@@ -110,16 +110,18 @@ def _apply(
     uses: Uses,
     mode: Mode,
     cast_and_bind: Callable[..., tuple[list[Any], list[int]]],
+    keep_bind: Callable[[list[Any], WideSums], Any] | None = None,
 ) -> tuple[list[Any], list[int]]:
-    """`eqn` as rules.target_dtype decides: kept as it is (data movement), as traced, or run
-    by `cast_and_bind` on its operands cast to the decision's dtype (see _cast_and_bind)."""
+    """`eqn` as rules.target_dtype decides: kept as it is (data movement, by `keep_bind` if
+    given), as traced, or run by `cast_and_bind` on its operands cast to the decision's dtype
+    (see _cast_and_bind)."""
     if eqn.primitive.name in FILL_OPS and saturates_fills(mode):
         invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
     decision = _decide(ctx, eqn, vals, env, uses, mode)
     wide_sums = WideSums.of(mode, ctx.in_rule)
     if decision.action is Action.KEEP:
-        return results(eqn, _keep(eqn, invals, env, mode, wide_sums), decision.hold)
+        return results(eqn, _keep(eqn, invals, env, mode, wide_sums, keep_bind), decision.hold)
     if decision.action is Action.UNTOUCHED:
         return results(eqn, bind_untouched(eqn, invals), decision.hold)
     if decision.action is Action.TRACED:
@@ -160,8 +162,16 @@ def _decide(
     )
 
 
-def _keep(eqn: Any, invals: list[Any], env: Values, mode: Mode, wide_sums: WideSums) -> Any:
-    """`eqn` (data movement) on its operands as they are, in their dtypes."""
+def _keep(
+    eqn: Any,
+    invals: list[Any],
+    env: Values,
+    mode: Mode,
+    wide_sums: WideSums,
+    bind: Callable[[list[Any], WideSums], Any] | None = None,
+) -> Any:
+    """`eqn` (data movement) on its operands as they are, in their dtypes, by `bind` (`eqn`'s
+    primitive if None; see _gather_rule)."""
     param = bool(eqn.invars) and env.is_param(eqn.invars[0])
     if (wide_sums.activations or (wide_sums.grads and param)) and grows_half(eqn, invals):
         # A broadcast that grows a half value: its transpose sums the cotangent over the new
@@ -169,9 +179,9 @@ def _keep(eqn: Any, invals: list[Any], env: Values, mode: Mode, wide_sums: WideS
         # Broadcast in float32, so that sum accumulates in float32; forward, the converts fuse.
         x = jc.convert(invals[0], np.float32)
         return jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
-    out = jc.bind(eqn.primitive, invals, eqn.params)
+    out = jc.bind(eqn.primitive, invals, eqn.params) if bind is None else bind(invals, wide_sums)
     if eqn.primitive.name in _MOVES and moves_half(mode):
-        env.move(eqn, invals, np.dtype(mode.compute_dtype), wide_sums.grads)
+        env.move(eqn, invals, np.dtype(mode.compute_dtype), wide_sums.grads, wide_sums.lookups)
     return out
 
 
@@ -259,7 +269,9 @@ def _gather_rule(
     """A gather under the dtype rule; a lookup in a param table at O2/O3 takes its rows in
     half (rules.looks_up_half), even where a float32 op (a norm) takes them, so the lookup and
     the collectives on it move half bytes. Rows a comparison reads (a decision) keep float32."""
-    outs, holds = _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
+    cast_and_bind = functools.partial(_cast_and_bind, bind=_bind_gather)
+    keep = lambda vals, wide_sums: _gather(eqn.params, vals, wide_sums)
+    outs, holds = _apply(ctx, eqn, invals, env, uses, mode, cast_and_bind, keep)
     out = eqn.outvars[0]
     if looks_up_half(mode) and env.is_param(eqn.invars[0]) and not uses.of(out).decides:
         facts = env.facts(out)
@@ -269,6 +281,27 @@ def _gather_rule(
             facts.island = True
             outs[0] = as_island(jc.convert(twin, outs[0].dtype))
     return outs, holds
+
+
+def _bind_gather(
+    eqn: Any,
+    vals: list[Any],
+    cast_vals: list[Any],
+    params: dict[str, Any],
+    env: Values,
+    target: np.dtype,
+    wide_sums: WideSums,
+) -> Any:
+    """_gather on the operands cast to the decision's dtype."""
+    return _gather(params, cast_vals, wide_sums)
+
+
+def _gather(params: dict[str, Any], vals: list[Any], wide_sums: WideSums) -> Any:
+    """A gather of a half value whose transpose sums in float32 (see rules.WideSums.lookups);
+    any other gather as it is."""
+    if wide_sums.lookups and sums_repeats(params, vals[0]):
+        return gather_summing_wide(params)(*vals)
+    return jc.bind(jax.lax.gather_p, vals, params)
 
 
 @RULES.register("dot_general")

@@ -37,6 +37,40 @@ def gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable
     return f
 
 
+def gather_summing_wide(params: dict[str, Any]) -> Callable[..., Any]:
+    """gather(x, indices) on a half `x`, whose cotangent scatter-adds in float32 and is rounded
+    to x's dtype once. JAX's own transpose scatter-adds in x's dtype, one rounding per row
+    taken: a row an embedding lookup takes a few hundred times (a frequent token) then sums
+    to a fraction of its gradient (in bfloat16, 4096 cotangents of 2.0 sum to 512), where
+    torch's embedding backward accumulates in float32. The forward values are the plain
+    gather's; the tangent is the gather of the float32 tangent, so forward mode works too."""
+    gather = lambda x, idx: jc.bind(lax.gather_p, [x, idx], params)
+
+    @jax.custom_jvp
+    def f(x: Any, idx: Any) -> Any:
+        return gather(x, idx)
+
+    @f.defjvp
+    def f_jvp(primals: Any, tangents: Any) -> Any:
+        x, idx = primals
+        t = jc.convert(gather(jc.convert(tangents[0], np.float32), idx), x.dtype)
+        return gather(x, idx), t
+
+    return f
+
+
+def sums_repeats(params: dict[str, Any], x: Any) -> bool:
+    """Whether a gather with `params` of `x` transposes to a scatter-add in half that may add
+    several cotangents into one element (its indices are not marked unique)."""
+    dtype = getattr(x, "dtype", None)
+    return (
+        dtype is not None
+        and is_float_dtype(dtype)
+        and np.dtype(dtype).itemsize < 4
+        and not params.get("unique_indices", False)
+    )
+
+
 def dot_wide_grads(
     params: dict[str, Any], half: np.dtype, wide: tuple[bool, ...], avals: tuple[Any, ...]
 ) -> Callable[..., Any]:

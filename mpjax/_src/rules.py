@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal, NamedTuple, TypeGuard, Union
 
+import jax
 import numpy as np
 
 from mpjax._src import jax_compat as jc
@@ -153,6 +154,11 @@ class WideSums(NamedTuple):
     # Those of float32 values cast to half (a bias, a positional table, an embedding row) are
     # the gradients' own sums: they run in the policy's reduce dtype.
     grads: bool
+    # The scatter-adds of half lookups (a gather's transpose): rows taken many times (a
+    # frequent token's embedding) sum in float32 and round once, at O1/O2 (as torch's
+    # embedding backward accumulates), not once per row in half; where the sum stays on one
+    # device (see sums_stay_local).
+    lookups: bool = False
 
     @classmethod
     def of(cls, mode: Mode, in_rule: bool = False) -> WideSums:
@@ -163,7 +169,19 @@ class WideSums(NamedTuple):
             return cls(False, False)
         activations = policy.level in ("O1", "O2")
         grads = not in_rule and policy.level != "O0" and policy.gradient_dtype.itemsize >= 4
-        return cls(activations, grads)
+        return cls(activations, grads, activations and not in_rule and sums_stay_local())
+
+
+def sums_stay_local() -> bool:
+    """Whether a sum traced now runs on one device: there is one, or the trace is inside
+    shard_map with every mesh axis manual (a cross-device sum is then the user's psum). Under
+    jit's partitioner over several devices, a lookup's float32 scatter-add would have it sum
+    the table's gradient across devices in float32, where the policy's reduce dtype says
+    half, so there the scatter-add stays half, as the hand-written step's."""
+    if jax.device_count() == 1:
+        return True
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(mesh.axis_names) and set(mesh.manual_axes) == set(mesh.axis_names)
 
 
 # -- what each value is used for ----------------------------------------------------------------

@@ -14,7 +14,7 @@ from jax import lax
 from mpjax._src import jax_compat as jc
 from mpjax._src import ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype
-from mpjax._src.half_grads import gather_half
+from mpjax._src.half_grads import gather_half, gather_summing_wide, sums_repeats
 from mpjax._src.islands import ISLAND_OPS, as_island, is_island_call
 from mpjax._src.ops import Trait
 from mpjax._src.rules import SHAPE_OPS, Hold, may_exceed, n_elements
@@ -241,7 +241,9 @@ class Values:
             )
         return f.casts[key]
 
-    def move(self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool) -> None:
+    def move(
+        self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool, wide_lookups: bool
+    ) -> None:
         """Makes the half twin of a data movement's result (see ValueFacts.twins): the op
         applied to its operand's twin, or to the operand's half cast, where the operand is a
         float32 value that is no constant and no statistic.
@@ -250,7 +252,8 @@ class Values:
         one row many times) then sums the gradient in half, as the hand-written step's does
         and as the policy's `reduce_dtype` says by default. With `wide_grads` (float32
         reduction asked for), growing broadcasts get no twin and a gather's twin transposes
-        to a float32 scatter-add."""
+        to a float32 scatter-add. With `wide_lookups` (see rules.WideSums) a gather's twin
+        scatter-adds its cotangent in float32 and rounds it to half once."""
         v, x = eqn.invars[0], invals[0]
         out = eqn.outvars[0]
         if isinstance(v, jc.Literal) or isinstance(out, jc.DropVar):
@@ -274,7 +277,10 @@ class Values:
         try:
             if src is None:
                 src = self.cast(v, x, half, tuple(x.shape))
-            twins[half] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
+            if name == "gather" and wide_lookups and sums_repeats(eqn.params, src):
+                twins[half] = gather_summing_wide(eqn.params)(src, *invals[1:])
+            else:
+                twins[half] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
         except ValueError:
             # A reshard or mesh_cast whose equation runs under another mesh than its
             # operand's type: the cast cannot be made there, so no twin; the cast comes after
