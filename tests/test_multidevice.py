@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import rel_err, slow_except
+from conftest import eqns, rel_err, slow_except
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -632,17 +632,7 @@ def test_autocast_around_a_shard_mapped_flax_transformer_runs_half_dots(flavour,
 
 def _scatter_dtypes(jaxpr):
     """The dtypes of every scatter-add in `jaxpr` and its sub-jaxprs."""
-    found = []
-    for e in jaxpr.eqns:
-        if e.primitive.name == "scatter-add":
-            found.append(str(e.outvars[0].aval.dtype))
-        for sub in jax.core.subjaxprs(e) if hasattr(jax.core, "subjaxprs") else ():
-            found += _scatter_dtypes(sub)
-        for p in e.params.values():
-            inner = getattr(p, "jaxpr", p)
-            if hasattr(inner, "eqns"):
-                found += _scatter_dtypes(inner)
-    return found
+    return [str(e.outvars[0].aval.dtype) for e in eqns(jaxpr, "scatter-add")]
 
 
 @needs_8
