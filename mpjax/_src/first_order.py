@@ -21,7 +21,7 @@ from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_uses import Uses
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.half_grads import dot_wide_grads, gather_summing_wide, grows_half, sums_repeats
+from mpjax._src.half_grads import dot_wide_grads, grows_half, lookup
 from mpjax._src.islands import as_island
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
@@ -270,7 +270,7 @@ def _gather_rule(
     half (rules.looks_up_half), even where a float32 op (a norm) takes them, so the lookup and
     the collectives on it move half bytes. Rows a comparison reads (a decision) keep float32."""
     cast_and_bind = functools.partial(_cast_and_bind, bind=_bind_gather)
-    keep = lambda vals, wide_sums: _gather(eqn.params, vals, wide_sums)
+    keep = lambda vals, wide_sums: lookup(eqn.params, vals[0], vals[1], wide_sums.lookups)
     outs, holds = _apply(ctx, eqn, invals, env, uses, mode, cast_and_bind, keep)
     out = eqn.outvars[0]
     if looks_up_half(mode) and env.is_param(eqn.invars[0]) and not uses.of(out).decides:
@@ -292,16 +292,8 @@ def _bind_gather(
     target: np.dtype,
     wide_sums: WideSums,
 ) -> Any:
-    """_gather on the operands cast to the decision's dtype."""
-    return _gather(params, cast_vals, wide_sums)
-
-
-def _gather(params: dict[str, Any], vals: list[Any], wide_sums: WideSums) -> Any:
-    """A gather of a half value whose transpose sums in float32 (see rules.WideSums.lookups);
-    any other gather as it is."""
-    if wide_sums.lookups and sums_repeats(params, vals[0]):
-        return gather_summing_wide(params)(*vals)
-    return jc.bind(jax.lax.gather_p, vals, params)
+    """half_grads.lookup on the operands cast to the decision's dtype."""
+    return lookup(params, cast_vals[0], cast_vals[1], wide_sums.lookups)
 
 
 @RULES.register("dot_general")

@@ -13,7 +13,7 @@ from jax import lax
 
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.rules import n_elements
+from mpjax._src.rules import n_elements, sums_stay_local
 
 
 def gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable[..., Any]:
@@ -57,6 +57,15 @@ def gather_summing_wide(params: dict[str, Any]) -> Callable[..., Any]:
         return gather(x, idx), t
 
     return f
+
+
+def lookup(params: dict[str, Any], x: Any, idx: Any, sum_wide: bool) -> Any:
+    """gather(x, idx) with `params`; through gather_summing_wide where `sum_wide` (see
+    rules.WideSums.lookups), its transpose would sum repeated rows in half, and that sum stays
+    on one device (rules.sums_stay_local)."""
+    if sum_wide and sums_repeats(params, x) and sums_stay_local():
+        return gather_summing_wide(params)(x, idx)
+    return jc.bind(lax.gather_p, [x, idx], params)
 
 
 def sums_repeats(params: dict[str, Any], x: Any) -> bool:

@@ -157,7 +157,7 @@ class WideSums(NamedTuple):
     # The scatter-adds of half lookups (a gather's transpose): rows taken many times (a
     # frequent token's embedding) sum in float32 and round once, at O1/O2 (as torch's
     # embedding backward accumulates), not once per row in half; where the sum stays on one
-    # device (see sums_stay_local).
+    # device (see sums_stay_local, which half_grads.lookup asks only for such a gather).
     lookups: bool = False
 
     @classmethod
@@ -169,7 +169,7 @@ class WideSums(NamedTuple):
             return cls(False, False)
         activations = policy.level in ("O1", "O2")
         grads = not in_rule and policy.level != "O0" and policy.gradient_dtype.itemsize >= 4
-        return cls(activations, grads, activations and not in_rule and sums_stay_local())
+        return cls(activations, grads, activations and not in_rule)
 
 
 def sums_stay_local() -> bool:

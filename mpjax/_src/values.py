@@ -14,7 +14,7 @@ from jax import lax
 from mpjax._src import jax_compat as jc
 from mpjax._src import ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype
-from mpjax._src.half_grads import gather_half, gather_summing_wide, sums_repeats
+from mpjax._src.half_grads import gather_half, lookup
 from mpjax._src.islands import ISLAND_OPS, as_island, is_island_call
 from mpjax._src.ops import Trait
 from mpjax._src.rules import SHAPE_OPS, Hold, may_exceed, n_elements
@@ -277,8 +277,8 @@ class Values:
         try:
             if src is None:
                 src = self.cast(v, x, half, tuple(x.shape))
-            if name == "gather" and wide_lookups and sums_repeats(eqn.params, src):
-                twins[half] = gather_summing_wide(eqn.params)(src, *invals[1:])
+            if name == "gather":
+                twins[half] = lookup(eqn.params, src, invals[1], wide_lookups)
             else:
                 twins[half] = jc.bind(eqn.primitive, [src, *invals[1:]], eqn.params)
         except ValueError:
