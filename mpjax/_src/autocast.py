@@ -9,6 +9,7 @@ override the policy, as do per-module rules of the Flax wrappers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -29,7 +30,7 @@ from mpjax._src.first_order import (
     to_traced,
     untouched_reason,
 )
-from mpjax._src.islands import remat_islands
+from mpjax._src.islands import remat_islands, tangents_inside
 from mpjax._src.policy import Policy
 from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
 from mpjax._src.rules import NO_USE, Hold, Mode, Use
@@ -307,7 +308,9 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
                 return to_traced(outs, closed.out_avals)
 
             # traced, so that its float32 islands become remat regions
-            rebuilt = trace_body(evaluate, list(closed.in_avals))
+            tangents = tangents_inside() if n == 2 * nin else contextlib.nullcontext()
+            with tangents:
+                rebuilt = trace_body(evaluate, list(closed.in_avals))
             values = iter(jc.jaxpr_as_fun(rebuilt)(*[args[i] for i in dynamic]))
             return [next(values) if is_value(o) else o for o in passed]
 

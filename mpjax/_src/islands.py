@@ -4,7 +4,8 @@ of kept; a softmax island is differentiated from its half output instead (see _s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -56,6 +57,24 @@ STATISTIC = "mpjax_island_statistic"
 _STAT_RATIO = 8
 _REDUCTIONS = ops.having(Trait.STATISTIC)
 SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
+
+# Whether islands rebuilt now may name their statistics. Not inside a jvp rule: its
+# tangents are plain values there, but JAX linearizes the rule afterwards, and a statistic of
+# tangents (a softmax tangent's ``sum(dz * y)``) is then a linear value whose name JAX cannot
+# transpose. Such an island recomputes its statistics instead (see tangents_inside).
+_NAMING = [True]
+
+
+@contextlib.contextmanager
+def tangents_inside() -> Iterator[None]:
+    """Islands rebuilt within keep no named statistics: the body being rebuilt is a jvp rule,
+    whose tangents JAX transposes later (autocast of an autocast program, FP8 over a wrapped
+    model)."""
+    _NAMING.append(False)
+    try:
+        yield
+    finally:
+        _NAMING.pop()
 
 
 def _named(x: Any, name: str) -> Any:
@@ -417,7 +436,7 @@ def _remat_region(
 ) -> Callable[..., Any]:
     """The function of a region's inputs that computes its outputs, recomputed by the
     backward pass but for its statistics (a softmax: see _softmax_region)."""
-    kept = _statistics(run)
+    kept = _statistics(run) if _NAMING[-1] else set()
 
     def f(*vals: Any) -> list[Any]:
         env = dict(zip(ins, vals, strict=True))
