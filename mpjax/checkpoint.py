@@ -16,13 +16,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from mpjax._src.fp8 import FP8Policy
 from mpjax._src.policy import Policy
 
 _POLICY_FILE = "mpjax_policy.json"
 _STATE_DIR = "state"
 
 
-def _describe(policy: Policy) -> dict[str, Any]:
+def _describe(policy: Policy | FP8Policy) -> dict[str, Any]:
+    if isinstance(policy, FP8Policy):  # the base policy, and the recipe of its FP8 state
+        return {**_describe(policy.base), "fp8_recipe": repr(policy.recipe)}
     return {
         "level": policy.level,
         "param_dtype": np.dtype(policy.param_dtype).name,
@@ -33,19 +36,21 @@ def _describe(policy: Policy) -> dict[str, Any]:
 
 def _label(d: dict[str, Any]) -> str:
     level = d.get("level") or "custom"
+    fp8 = f", FP8 {d['fp8_recipe']}" if "fp8_recipe" in d else ""
     return (
         f"{level} (params {d['param_dtype']}, compute {d['compute_dtype']}, "
-        f"output {d['output_dtype']})"
+        f"output {d['output_dtype']}{fp8})"
     )
 
 
-def save(directory: str | os.PathLike, tree: Any, policy: Policy) -> None:
+def save(directory: str | os.PathLike, tree: Any, policy: Policy | FP8Policy) -> None:
     """Saves `tree` and `policy` to `directory` (which must not exist yet).
 
     Args:
       directory: where to write; an absolute path is safest (orbax requires one).
       tree: any pytree of arrays, e.g. ``{"params": params, "opt_state": opt_state}``.
-      policy: the policy the state was trained under.
+      policy: the policy the state was trained under (an ``mpjax.fp8`` policy too: its
+        recipe is saved beside the base policy, and the tree may hold its FP8 state).
 
     Example:
       >>> import os, tempfile, jax.numpy as jnp, optax, mpjax, mpjax.checkpoint
@@ -58,7 +63,7 @@ def save(directory: str | os.PathLike, tree: Any, policy: Policy) -> None:
       >>> float(mpjax.get_loss_scale(restored["opt"]).loss_scale)
       32768.0
     """
-    if not isinstance(policy, Policy):
+    if not isinstance(policy, (Policy, FP8Policy)):
         raise TypeError(f"save needs the mpjax.Policy the state was trained under, got {policy!r}.")
     directory = os.path.abspath(os.fspath(directory))
     if os.path.exists(directory):
@@ -90,7 +95,7 @@ def saved_policy(directory: str | os.PathLike) -> dict[str, Any]:
         return json.load(f)
 
 
-def restore(directory: str | os.PathLike, target: Any, policy: Policy) -> Any:
+def restore(directory: str | os.PathLike, target: Any, policy: Policy | FP8Policy) -> Any:
     """Restores the tree saved in `directory` into the structure and dtypes of `target`.
 
     Args:

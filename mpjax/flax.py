@@ -28,6 +28,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+from mpjax._src import fp8 as fp8_lib
 from mpjax._src import hardware, transform
 from mpjax._src import loss_scale as ls_lib
 from mpjax._src.autocast_api import autocast
@@ -190,6 +191,7 @@ class LinenWrapped:
     def __init__(self, module: nn.Module, policy: Policy, rules: Rules | None = None):
         self.module = module
         self.policy = policy
+        self._fp8: FP8Policy | None = None  # the FP8 policy wrap was given (see wrap)
         self._resolver = _Resolver(policy, rules, _LINEN_NORMS)
         # One autocast per (method, mutable), kept across calls: autocast caches its trace
         # per signature, so a retrace (a new jit of the step) or an eager call with shapes
@@ -256,6 +258,8 @@ class LinenWrapped:
           (dtype(bfloat16), dtype('float32'))
         """
 
+        if self._fp8 is not None:
+            fp8_lib.warn_outside(type(self.module).__name__, self._fp8, stacklevel=2)
         out = self._autocast(method, mutable)(variables, rngs, args, kwargs)
         self._check_rules(method)
         if mutable is False:
@@ -317,6 +321,7 @@ class NNXWrapped(nnx.Module):
         nnx.update(module, cast_floating(stats, np.float32))
         self.inner = module
         self.policy = policy
+        self._fp8: FP8Policy | None = None  # the FP8 policy wrap was given (see wrap)
         self._resolver = _Resolver(policy, rules, _NNX_NORMS)
         self._traced = autocast(
             functools.partial(_nnx_run, self._resolver),
@@ -336,6 +341,8 @@ class NNXWrapped(nnx.Module):
         # the model, not mapped against the state before it. The paths after the call ride
         # in the output's tree structure, so autocast's trace of a graphdef is reused by
         # later calls (a retrace, an eager call) with the same graphdef and shapes.
+        if self._fp8 is not None:
+            fp8_lib.warn_outside(type(self.inner).__name__, self._fp8, stacklevel=2)
         graphdef, paths, variables = _flatten(self.inner)
         out, after, new_variables = self._traced(graphdef, variables, args, kwargs)
         removed = set(paths) - set(after.paths)
@@ -590,8 +597,9 @@ def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) ->
       >>> variables["params"]["kernel"].dtype, model.apply(variables, jnp.ones((2, 3))).dtype
       (dtype(bfloat16), dtype(bfloat16))
     """
-    if isinstance(policy, FP8Policy):
-        policy = policy.base  # FP8 itself: mpjax.fp8.scaled_value_and_grad around the loss
+    fp8 = policy if isinstance(policy, FP8Policy) else None
+    if fp8 is not None:
+        policy = fp8.base  # FP8 itself: mpjax.fp8.scaled_value_and_grad around the loss
     if not isinstance(policy, Policy):
         raise TypeError(
             f"wrap needs an mpjax.Policy, got {type(policy).__name__}; e.g. "
@@ -612,13 +620,16 @@ def wrap(module: Any, policy: Policy | FP8Policy, rules: Rules | None = None) ->
         )
     hardware.warn_if_slow(policy)  # here, so the warning points at the caller's wrap()
     if isinstance(module, nn.Module):
-        return LinenWrapped(module, policy, rules)
-    if isinstance(module, nnx.Module):
-        return NNXWrapped(module, policy, rules)
-    raise TypeError(
-        f"wrap takes a flax.linen.Module or a flax.nnx.Module, got {type(module).__name__}; "
-        "for a plain function use mpjax.autocast(fn, policy)."
-    )
+        wrapped: LinenWrapped | NNXWrapped = LinenWrapped(module, policy, rules)
+    elif isinstance(module, nnx.Module):
+        wrapped = NNXWrapped(module, policy, rules)
+    else:
+        raise TypeError(
+            f"wrap takes a flax.linen.Module or a flax.nnx.Module, got {type(module).__name__}; "
+            "for a plain function use mpjax.autocast(fn, policy)."
+        )
+    wrapped._fp8 = fp8
+    return wrapped
 
 
 class TrainState(train_state.TrainState):
@@ -652,7 +663,7 @@ class TrainState(train_state.TrainState):
         apply_fn: Callable,
         params: Any,
         tx: optax.GradientTransformation,
-        policy: Policy | None = None,
+        policy: Policy | FP8Policy | str | None = None,
         scale: ls_lib.LossScale | None = None,
         **kwargs: Any,
     ) -> TrainState:
@@ -662,7 +673,9 @@ class TrainState(train_state.TrainState):
           apply_fn: usually ``mpjax.flax.wrap(module, policy).apply``.
           params: the params (already in ``policy.param_dtype`` if from the wrapper).
           tx: the optimizer.
-          policy: gives the loss scale (``policy.loss_scale()``) unless `scale` is given.
+          policy: gives the loss scale (``policy.loss_scale()``) unless `scale` is given: a
+            Policy, a level name (``"O2"``, as ``Policy.from_level`` takes it) or an FP8
+            policy (its base level's scale).
           scale: the loss scale; default from `policy`, else ``DynamicLossScale(2**15)``.
           **kwargs: other TrainState fields.
 
@@ -676,6 +689,10 @@ class TrainState(train_state.TrainState):
           >>> type(state.opt_state).__name__, state.loss_scale.loss_scale.item()
           ('LossScaleState', 32768.0)
         """
+        if isinstance(policy, str):
+            policy = Policy.from_level(policy)
+        if isinstance(policy, FP8Policy):
+            policy = policy.base  # its loss scale is the base level's
         if scale is None and policy is not None:
             scale = policy.loss_scale()
         state = super().create(

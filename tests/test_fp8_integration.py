@@ -107,7 +107,9 @@ def test_linen_wrap_runs_dense_dots_in_fp8(rng, form):
     assert state.num_sites == 3  # the three Dense layers
     assert jax.tree_util.tree_leaves(params)[0].dtype == F32  # O2 master weights
     value, grads, state = _steps(loss, pol, state, params, x, y)
-    ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y)  # the wrapper alone: bf16 O2
+    with warnings.catch_warnings():  # the wrapper alone: bf16 O2 (outside mpjax.fp8: it says so)
+        warnings.simplefilter("ignore", UserWarning)
+        ref_value, ref_grads = jax.value_and_grad(loss)(params, x, y)
     assert _rel(value, ref_value) < 0.05
     for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
         # E5M2 gradients keep 2 mantissa bits, and the LayerNorm backward amplifies what the
@@ -174,7 +176,9 @@ def test_nnx_split_merge_params_train_in_fp8(rng):
         losses.append(float(value))
     assert losses[-1] < 0.5 * losses[0]
     nnx.update(model, params)  # the trained params go back into the module
-    np.testing.assert_allclose(float(loss(params, x, y)), losses[-1], rtol=0.2)
+    np.testing.assert_allclose(
+        float(mpjax.fp8.apply(loss, pol)(state, params, x, y)), losses[-1], rtol=0.2
+    )
     # A per-module rule keeps that layer in float32 and out of FP8, as for linen.
     ruled = mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), pol, rules={"l1": "O0"})
     graphdef, params, rest = nnx.split(ruled, nnx.Param, ...)
@@ -355,7 +359,8 @@ def test_audit_reports_the_fp8_dots_of_a_train_step(rng):
     assert report.fp8_flop_share == 1.0 and report.to_dict()["fp8_matmuls"] == 8
     assert "in FP8" in str(report) and f"{E5M2} x {E4M3}" in str(report)
     # The wrapper alone (no FP8 state) runs bf16 dots: none counts as FP8.
-    plain = mpjax.audit(jax.grad(loss), params, x, y)
+    with pytest.warns(UserWarning, match="runs outside mpjax.fp8"):
+        plain = mpjax.audit(jax.grad(loss), params, x, y)
     assert plain.fp8_matmuls == () and plain.fp8_flop_share == 0.0 and "FP8" not in str(plain)
 
 
@@ -403,9 +408,8 @@ def test_fp8_dot_overflow_is_found_skipped_and_keeps_the_scales(rng):
 
     @jax.jit
     def train_step(params, opt_state, fp8_state, x, y):
-        scale = mpjax.get_loss_scale(opt_state)
-        grad_fn = mpjax.fp8.scaled_value_and_grad(lambda p, x, y: scale.scale(loss(p, x, y)), pol)
-        _, grads, new_fp8 = grad_fn(fp8_state, params, x, y)
+        grad_fn = mpjax.fp8.scaled_value_and_grad(loss, pol)
+        _, grads, new_fp8 = grad_fn(fp8_state, params, x, y, opt_state=opt_state)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, new_fp8, grads
 
@@ -424,12 +428,13 @@ def test_fp8_dot_overflow_is_found_skipped_and_keeps_the_scales(rng):
     assert not ok.all()  # the overflowed activation (an inf amax) and gradients after it
     np.testing.assert_array_equal(np.asarray(new_fp8.scale)[~ok], np.asarray(state.scale)[~ok])
     fmax = np.broadcast_to(np.array([448.0, 448.0, 57344.0]), amax.shape)
+    # (the recorded gradient amaxes are the unscaled gradients': see the loss-scale test)
     np.testing.assert_allclose(np.asarray(new_fp8.scale)[ok], (fmax / amax)[ok], rtol=1e-6)
     assert np.isfinite(new_fp8.scale).all()
-    # find_nonfinite names the FP8 dot that overflowed (its float16 result), in the layer
-    # that ran it.
+    # find_nonfinite names where the FP8 dot's result overflowed, in the layer that ran it:
+    # the gemm writes float32, and its scaled result overflows as it is written in float16.
     origin = mpjax.find_nonfinite(mpjax.fp8.apply(loss, pol), state, params, big, y)
-    assert origin is not None and origin.primitive == "dot_general"
+    assert origin is not None and origin.primitive == "convert_element_type"
     assert "Dense_0" in origin.name and origin.dtype == "float16" and origin.kind == "inf"
 
 
@@ -458,3 +463,104 @@ def test_inf_input_saturates_in_fp8_and_keeps_the_scale(rng):
     nan = np.isnan(np.asarray(new.amax_history[..., 0]))
     assert nan.any()
     np.testing.assert_array_equal(np.asarray(new.scale)[nan], np.asarray(state.scale)[nan])
+
+
+# -- a float16 base and the loss scale ------------------------------------------------------------
+
+
+def _f16_problem():
+    # float32 loss 0.90: operands scaled toward 448 make sums past float16's 65504
+    x = jax.random.normal(jax.random.key(0), (32, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 16)) / 6
+    return (lambda w, x: jnp.mean((x @ w) ** 2)), w, x
+
+
+@pytest.mark.parametrize("granularity", [None, "tensor", "row"])
+def test_a_float16_base_trains_with_the_loss_scale(granularity):
+    """The FP8 gemm writes float32 under a float16 base, so the scaled operands' sums do not
+    overflow before the scales bring them back (before: every step after the first skipped
+    under delayed scaling, inf at once under current scaling)."""
+    recipe = granularity and mpjax.fp8.CurrentScaling(granularity=granularity)
+    pol = mpjax.fp8.policy("O1", "float16", recipe=recipe)
+    loss, w, x = _f16_problem()
+    tx = mpjax.loss_scale(optax.sgd(0.3))
+    opt_state, fp8_state = tx.init(w), mpjax.fp8.init(loss, pol, w, x)
+
+    @jax.jit
+    def train_step(w, opt_state, fp8_state, x):
+        grad_fn = mpjax.fp8.scaled_value_and_grad(loss, pol)
+        value, grads, fp8_state = grad_fn(fp8_state, w, x, opt_state=opt_state)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        return optax.apply_updates(w, updates), opt_state, fp8_state, value
+
+    losses = []
+    for _ in range(6):
+        before = w
+        w, opt_state, fp8_state, value = train_step(w, opt_state, fp8_state, x)
+        losses.append(float(value))
+        assert abs(float(value) / float(loss(before, x)) - 1) < 0.02, (value, loss(before, x))
+    assert int(mpjax.loss_scale_metrics(opt_state)["skipped_steps"]) == 0
+    assert losses[-1] < 0.8 * losses[0]
+    value = mpjax.fp8.apply(loss, pol)(fp8_state, w, x)
+    assert abs(float(value) / float(loss(w, x)) - 1) < 0.02
+
+
+def test_the_loss_scale_scales_the_gradients_exactly_and_not_the_fp8_state():
+    """With opt_state=, the gradients are those of the scaled loss, bit for bit S times the
+    unscaled step's (the gradient is quantized at its scale / S), the value is the loss as
+    computed, and the FP8 state is the unscaled step's: a scale that halves or doubles moves
+    no gradient scale."""
+    pol = mpjax.fp8.policy("O2")
+    loss, w, x = _f16_problem()
+    tx = mpjax.loss_scale(optax.sgd(0.1), scale=mpjax.DynamicLossScale(2.0**12))
+    opt_state, state = tx.init(w), mpjax.fp8.init(loss, pol, w, x)
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
+    for _ in range(2):  # the second step runs at scales set from the first's amaxes
+        plain = step(state, w, x)
+        scaled = step(state, w, x, opt_state=opt_state)
+        state = plain[2]
+    assert float(scaled[0]) == float(plain[0])
+    np.testing.assert_array_equal(np.asarray(scaled[1]), 2.0**12 * np.asarray(plain[1]))
+    assert_trees_bit_identical(scaled[2], plain[2])
+
+
+def test_train_state_and_checkpoint_take_the_fp8_policy(rng, tmp_path):
+    """TrainState.create and mpjax.checkpoint take the FP8 policy as wrap does: the loss scale
+    is the base level's, and the checkpoint records the recipe beside the base policy, so it
+    is restored under the same FP8 policy only."""
+    import mpjax.checkpoint
+
+    pol = mpjax.fp8.policy("O2", "float16")
+    loss, params, x, y = _linen(pol, rng)
+    state = mpjax.flax.TrainState.create(
+        apply_fn=None, params=params, tx=optax.sgd(0.1), policy=pol
+    )
+    assert float(state.loss_scale.loss_scale) == float(pol.base.loss_scale().loss_scale)
+    fp8_state = mpjax.fp8.init(loss, pol, params, x, y)
+    value, grads, fp8_state = mpjax.fp8.scaled_value_and_grad(loss, pol)(
+        fp8_state, state.params, x, y, opt_state=state
+    )
+    state = state.apply_gradients(grads=grads)
+    assert int(state.opt_state.skipped_steps) == 0
+    tree = {"state": state, "fp8": fp8_state}
+    mpjax.checkpoint.save(tmp_path / "ckpt", tree, pol)
+    assert "DelayedScaling" in mpjax.checkpoint.saved_policy(tmp_path / "ckpt")["fp8_recipe"]
+    restored = mpjax.checkpoint.restore(tmp_path / "ckpt", tree, pol)
+    assert_trees_bit_identical(restored["fp8"], fp8_state)
+    with pytest.raises(ValueError, match="FP8 DelayedScaling"):
+        mpjax.checkpoint.restore(tmp_path / "ckpt", tree, pol.base)
+
+
+def test_a_wrapped_fp8_model_outside_mpjax_fp8_says_its_dots_are_not_fp8(rng):
+    pol = mpjax.fp8.policy("O2")
+    loss, params, x, y = _linen(pol, rng)
+    with pytest.warns(UserWarning, match="runs outside mpjax.fp8, so its dots run in bfloat16"):
+        jax.grad(loss)(params, x, y)
+    state = mpjax.fp8.init(loss, pol, params, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        mpjax.fp8.scaled_value_and_grad(loss, pol)(state, params, x, y)
+        mpjax.fp8.apply(loss, pol)(state, params, x, y)
+    model = mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), pol)
+    with pytest.warns(UserWarning, match="NNXMLP was wrapped with an FP8 policy"):
+        model(x)

@@ -451,8 +451,33 @@ class _Sites:
         return consts, xs, enter
 
 
+# How many mpjax.fp8 runs are tracing their function now (see warn_outside).
+_TRACING = [0]
+
+
+def warn_outside(model: str, pol: FP8Policy, stacklevel: int) -> None:
+    """Warns that a model wrapped with an FP8 policy runs outside mpjax.fp8, where its dots
+    run in the base half dtype: the loss that calls it needs mpjax.fp8.scaled_value_and_grad
+    (training) or mpjax.fp8.apply (evaluation)."""
+    if _TRACING[0]:
+        return
+    half = np.dtype(pol.base.compute_dtype).name
+    warnings.warn(
+        f"{model} was wrapped with an FP8 policy but runs outside mpjax.fp8, so its dots run "
+        f"in {half} (the base policy), not FP8. Differentiate the loss that calls it with "
+        "mpjax.fp8.scaled_value_and_grad(loss, policy)(fp8_state, params, ...) (or evaluate "
+        "it with mpjax.fp8.apply); wrap it with policy.base to run the base policy on purpose.",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
 def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
-    closed, out_tree, dyn = autocast_api.trace_call(fn, args, {})
+    _TRACING[0] += 1
+    try:
+        closed, out_tree, dyn = autocast_api.trace_call(fn, args, {})
+    finally:
+        _TRACING[0] -= 1
     ctx = autocast_lib.Context(pol.base, {}, rules=sites.rules())
     return jax.tree_util.tree_unflatten(out_tree, autocast_api.evaluate(ctx, closed, dyn))
 
@@ -562,11 +587,19 @@ def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
 def scaled_value_and_grad(
     fn: Callable[..., Any], pol: FP8Policy, *, has_aux: bool = False
 ) -> Callable[..., Any]:
-    """Returns ``f(state, params, *args) -> (value, grads, new_state)`` with FP8 dots.
+    """Returns ``f(state, params, *args, opt_state=None) -> (value, grads, new_state)``.
 
     The contract of :func:`mpjax.scaled_value_and_grad` (the scaling state first, then what
     is differentiated, then the batch; the value, then the gradients), plus the FP8 state's
     next scales, which only this step's backward pass knows.
+
+    With ``opt_state=`` (an optimizer state holding :func:`mpjax.loss_scale`, a
+    :class:`mpjax.flax.TrainState` or an ``nnx.Optimizer``), the loss is scaled as
+    :func:`mpjax.scaled_value_and_grad` scales it: `value` is the loss as computed and
+    `grads` are the gradients of the scaled loss, which ``tx.update`` unscales, checks and
+    skips exactly. A float16 base needs it, as float16 O1/O2 does. The FP8 state keeps the
+    amaxes of the unscaled gradients and quantizes the scaled ones at their scale divided by
+    the loss scale, so a loss scale that halves or doubles never saturates a gradient.
 
     `fn(params, *args)` runs under ``pol.base`` with its eligible dots in FP8 at the
     state's scales; `grads` is the gradient with respect to `params`; `new_state` holds the
@@ -611,25 +644,33 @@ def scaled_value_and_grad(
     """
     pol = _check(pol)
 
-    def wrapped(state: FP8State, params: Any, *args: Any) -> Any:
+    def wrapped(state: FP8State, params: Any, *args: Any, opt_state: Any = None) -> Any:
         state = _check_state(state, pol)
         n = state.num_sites
         counts = []
+        loss_scale = None if opt_state is None else transform.loss_scale_of(opt_state)
+        # The gradients' scales apply to the unscaled gradients: the scaled ones are S times
+        # larger, so they are quantized at scale / S, and their amaxes recorded divided by S.
+        by = jnp.ones(_ROLES, jnp.float32)
+        if loss_scale is not None:
+            by = by.at[GRAD].set(jnp.asarray(loss_scale.loss_scale, jnp.float32))
 
         def inner(p: Any, sink: jax.Array) -> Any:
-            sites = _Sites(state.scale, sink, pol.base, pol.recipe)
+            sites = _Sites(state.scale / by, sink, pol.base, pol.recipe)
             out = _run(fn, pol, sites, (p, *args))
             counts.append(sites.count)
-            return out if has_aux else (out, None)
+            out = out if has_aux else (out, None)
+            loss = out[0] if loss_scale is None else loss_scale.scale(out[0])
+            return loss, out
 
         sink = jnp.zeros((n, _ROLES), jnp.float32)
-        (loss, aux), (grads, amax) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=True)(
+        (_, (loss, aux)), (grads, amax) = jax.value_and_grad(inner, argnums=(0, 1), has_aux=True)(
             params, sink
         )
         if counts[0] != n:
             raise _num_mismatch(n, counts[0])
         value = (loss, aux) if has_aux else loss
-        return value, grads, update(state, amax)
+        return value, grads, update(state, amax / by)
 
     return wrapped
 

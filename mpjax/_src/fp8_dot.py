@@ -54,6 +54,14 @@ def qdq(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
     return q.astype(dt) * jnp.broadcast_to(inv, x.shape)
 
 
+def gemm_dtype(dtype: Any) -> Any:
+    """The dtype an FP8 gemm writes before its scales multiply the result: float32 for a
+    float16 result (operands scaled toward 448 make products whose sum passes float16's
+    65504 before the scales bring it back), else the result's own dtype (bfloat16 has
+    float32's range). XLA folds the scales and the cast to float16 into the gemm."""
+    return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
+
+
 def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
@@ -132,8 +140,8 @@ def _fp8_fwd(
     lq = quantize(lhs, E4M3, scale[INPUT])
     rq = quantize(rhs, E4M3, scale[KERNEL])
     out_dtype = pref or jnp.result_type(lhs, rhs)
-    acc = lax.dot_general(lq, rq, dims, preferred_element_type=out_dtype)
-    out = acc * (1.0 / (scale[INPUT] * scale[KERNEL])).astype(out_dtype)
+    acc = lax.dot_general(lq, rq, dims, preferred_element_type=gemm_dtype(out_dtype))
+    out = (acc * (1.0 / (scale[INPUT] * scale[KERNEL])).astype(acc.dtype)).astype(out_dtype)
     like = (jnp.zeros([], lhs.dtype), jnp.zeros([], rhs.dtype))  # the cotangents' dtypes
     return out, (lq, rq, scale, _amax(lhs), _amax(rhs), *like)
 
@@ -144,11 +152,11 @@ def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tu
     (lc, rc), (lb, rb) = dims
     # As forward: each cotangent in its operand's dtype, the scales folded into the gemm.
     ldt, rdt = l_like.dtype, r_like.dtype
-    dl = _transpose_lhs(gq, lq.ndim, rq, dims, False, ldt)
-    dl = dl * (1.0 / (scale[GRAD] * scale[KERNEL])).astype(ldt)
+    dl = _transpose_lhs(gq, lq.ndim, rq, dims, False, gemm_dtype(ldt))
+    dl = (dl * (1.0 / (scale[GRAD] * scale[KERNEL])).astype(dl.dtype)).astype(ldt)
     swapped = ((rc, lc), (rb, lb))
-    dr = _transpose_lhs(gq, rq.ndim, lq, swapped, True, rdt)
-    dr = dr * (1.0 / (scale[GRAD] * scale[INPUT])).astype(rdt)
+    dr = _transpose_lhs(gq, rq.ndim, lq, swapped, True, gemm_dtype(rdt))
+    dr = (dr * (1.0 / (scale[GRAD] * scale[INPUT])).astype(dr.dtype)).astype(rdt)
     amaxes = jnp.stack([amax_l, amax_r, _amax(g)])
     return dl, dr, jnp.zeros_like(scale), amaxes
 
@@ -204,12 +212,13 @@ def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin:
     sa, sb = _current_scale(row_a, qa, margin), _current_scale(row_b, qb, margin)
     acc = lax.dot_general(
         quantize(a, qa, sa), quantize(b, qb, sb), (((a_axis,), (b_axis,)), ((0,), (0,))),
-        preferred_element_type=out,
+        preferred_element_type=gemm_dtype(out),
     )  # fmt: skip
     # The result's axes: a's kept axis, then b's. sa is [B, M, 1] or [B, 1, M]; sb likewise.
     inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))
     inv_b = jnp.reshape(1.0 / sb, (sb.shape[0], 1, -1))
-    return acc * (inv_a * inv_b).astype(out), jnp.max(row_a), jnp.max(row_b)
+    res = (acc * (inv_a * inv_b).astype(acc.dtype)).astype(out)
+    return res, jnp.max(row_a), jnp.max(row_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -553,6 +553,11 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
     return _the_state(opt_state, "get_loss_scale").loss_scale
 
 
+def loss_scale_of(state: Any) -> ls_lib.LossScale:
+    """The loss scale in `state`: an optimizer state, a TrainState or an ``nnx.Optimizer``."""
+    return get_loss_scale(state.opt_state if _is_nnx(state, "Optimizer") else state)
+
+
 def _is_nnx(x: Any, kind: str) -> bool:
     """Whether `x` is a Flax NNX `kind` (``Module``, ``Optimizer``), without importing Flax
     where it is not loaded."""
@@ -600,7 +605,7 @@ def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
     """
 
     def wrapped(state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        scale = get_loss_scale(state.opt_state if _is_nnx(state, "Optimizer") else state)
+        scale = loss_scale_of(state)
 
         def scaled(p: Any, *a: Any, **k: Any) -> Any:
             out = fun(p, *a, **k)
