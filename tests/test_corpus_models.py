@@ -1523,3 +1523,61 @@ def test_reduced_flax_float16_layernorm_gradient_of_small_activations_is_finite(
 def test_reduced_o3_float16_layernorm_gradient_of_small_activations_is_finite():
     wrapped = mpjax.flax.wrap(nn.LayerNorm(epsilon=1e-5), mpjax.Policy.from_level("O3", "float16"))
     assert np.all(np.isfinite(layernorm_input_gradient(wrapped, SMALL_ACTIVATIONS)))
+
+
+# == FP8: every program that runs at O1/O2 runs with its dots in FP8 ==============================
+
+# FP8's bounds against float32, relative (the FP8 guide states them, and
+# tests/test_fp8_models.py holds its own models to them): E4M3 keeps 3 mantissa bits and E5M2
+# 2. Measured on the second step (the first sets the scales) at O1 and O2, the largest of the
+# three programs: loss 0.00065 (eqx O2), logits 0.064 (GPT-2 O2), 1 - cos(grads) 0.0046
+# (GPT-2 O1), grad norm ratio 0.010 (eqx O2).
+FP8_BOUNDS = {"loss": 0.03, "logits": 0.15, "1 - cos(grads)": 0.03, "grad norm ratio - 1": 0.06}
+
+
+# Each program's FP8 sites: its forward matmuls whose sizes are multiples of 16 (GPT-2 and
+# the Equinox-style one: all of them; BERT: not the head-mask einsums, int32, nor the pooler
+# and the classifier, whose 4 rows and 2 labels are not).
+FP8_SITES = {"gpt2": 13, "bert": 16, "eqx": 8}
+
+
+@functools.cache
+def measured_fp8(model: str, level: str) -> dict[str, Any]:
+    """The program with its dots in FP8 (mpjax.fp8, bfloat16 base): the HF models through
+    mpjax.flax.wrap with the FP8 policy, the Equinox-style one as its float32 function."""
+    import mpjax.fp8
+
+    case = CASES[case_name(model, "bfloat16")]()
+    ref = reference(model)
+    pol = mpjax.fp8.policy(level, "bfloat16")
+    wrapped = model != "eqx"
+    params = case.init(pol if wrapped else None)
+    loss = case.loss(pol if wrapped else None)
+    state = mpjax.fp8.init(loss, pol, params, case.batch, case.key)
+    grad_fn = mpjax.fp8.scaled_value_and_grad(loss, pol, has_aux=True)
+    step = jax.jit(grad_fn, compiler_options=FAST_COMPILE)
+    for _ in range(2):  # the first step sets the scales from its amaxes, the second runs at them
+        (loss_value, (logits, _)), grads, state = step(state, params, case.batch, case.key)
+    logits, g, g_ref = as64(logits), flat(grads), ref["grads"]
+    real = case.real.reshape(case.real.shape + (1,) * (logits.ndim - case.real.ndim))
+    real = np.broadcast_to(real, logits.shape)
+    return {
+        "sites": state.num_sites,
+        "finite": bool(np.isfinite(float(loss_value)) and np.all(np.isfinite(g))),
+        "loss": abs(float(loss_value) - ref["loss"]) / abs(ref["loss"]),
+        "logits": rel_err(logits[real], ref["logits"][real]),
+        "1 - cos(grads)": 1.0 - float(g @ g_ref / (np.linalg.norm(g) * np.linalg.norm(g_ref))),
+        "grad norm ratio - 1": abs(float(np.linalg.norm(g) / np.linalg.norm(g_ref)) - 1.0),
+        "audit": mpjax.audit(step, state, params, case.batch, case.key, compile=False),
+    }
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fp8_runs_the_corpus_as_float32_does(model, level):
+    m = measured_fp8(model, level)
+    assert m["sites"] == FP8_SITES[model], m["sites"]
+    assert m["finite"]
+    too_far = {k: f"{m[k]:.4f} > {b}" for k, b in FP8_BOUNDS.items() if m[k] > b}
+    assert not too_far, f"{model} FP8 at {level} differs from float32: {too_far}"
+    assert len(m["audit"].fp8_matmuls) >= m["sites"]
