@@ -66,7 +66,9 @@ ENTRY %main (w: f32[64,32], x: bf16[8,64]) -> f32[64,32] {
   %x = bf16[8,64]{1,0} parameter(1)
   %fusion = bf16[64,32]{1,0} fusion(%w), kind=kLoop, calls=%fused_convert
   %custom-call = (bf16[8,32]{1,0}, s8[4194304]{0}) custom-call(%x, %fusion), \
-custom_call_target="__cublas$lt$matmul"
+custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"alpha_real":1,\
+"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],\
+"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
   %gte = bf16[8,32]{1,0} get-tuple-element(%custom-call), index=0
   %fusion.2 = f32[32]{0} fusion(%gte), kind=kInput, calls=%fused_reduce
   %init = (s32[], f32[32]{0}) tuple(%c0, %fusion.2)
@@ -98,6 +100,14 @@ def test_kernels_of_optimized_gpu_hlo_by_kind_with_their_bytes():
     assert program.by_kind()["loop"] == (2, 64 * 32 * 6 + 32 * 8)
     assert program.gemm_dtypes() == {"bf16 x bf16": 1}
     assert "5 kernels" in str(program)
+    # The roofline: the gemm's 2 * 8 * 32 * 64 FLOPs at the half peak or its bytes at the
+    # bandwidth, whichever is longer; every other kernel its bytes; each a launch.
+    assert by_name["custom-call"].flops == 2 * 8 * 32 * 64
+    assert all(k.flops == 0 for k in kernels if k.kind != "gemm")
+    line = gpu_program.Roofline(half=1e6, fp8=2e6, f32=5e5, bandwidth=1e6, launch=1e-6)
+    assert line.seconds(by_name["custom-call"]) == pytest.approx(2 * 8 * 32 * 64 / 1e6 + 1e-6)
+    expected = 2 * 8 * 32 * 64 / 1e6 + sum(k.bytes / 1e6 for k in kernels if k.kind != "gemm")
+    assert program.modeled_seconds(line) == pytest.approx(expected + 5e-6)
 
 
 def test_every_operand_of_a_long_list_is_counted():

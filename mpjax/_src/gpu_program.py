@@ -351,6 +351,70 @@ def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, 
     return ins.opcode, ()
 
 
+def _dot_flops(shape: str, lhs_shape: str, contracting: list[int]) -> float:
+    """2 * result elements * contracted size: a gemm's multiply-adds, counted twice."""
+    out, lhs = _arrays(shape), _arrays(lhs_shape)
+    if not out or not lhs:
+        return 0.0
+    k = math.prod(lhs[0][1][d] for d in contracting if d < len(lhs[0][1]))
+    return 2.0 * math.prod(out[0][1]) * k
+
+
+def _gemm_flops(ins: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> float:
+    """The FLOPs of a gemm kernel: a cuBLAS call (its backend config names the lhs's
+    contracting dimensions) or a fusion around a dot."""
+    if ins.opcode == "custom-call":
+        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+        if not found or not ins.operands:
+            return 0.0
+        dims = [int(d.strip().strip('"')) for d in found.group(1).split(",") if d.strip()]
+        return _dot_flops(ins.shape, comp.shapes.get(ins.operands[0], ""), dims)
+    dot = _find(comps, _called(ins.attrs), "dot")
+    if dot is None or not dot.operands:
+        return 0.0
+    found = re.search(r"lhs_contracting_dims=\{([^}]*)\}", dot.attrs)
+    dims = [int(d) for d in found.group(1).split(",") if d.strip()] if found else []
+    scope = next((c for c in comps.values() if dot.operands[0] in c.shapes), None)
+    return _dot_flops(dot.shape, scope.shapes[dot.operands[0]] if scope else "", dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    """A GPU's roofline: each kernel takes the longer of its gemm FLOPs at the peak for its
+    operand dtype and its bytes at the memory bandwidth, plus a launch cost.
+
+    Attributes:
+      half: dense bfloat16/float16 gemm FLOP/s.
+      fp8: dense FP8 gemm FLOP/s (gemms whose operands are all float8).
+      f32: float32 (TF32) gemm FLOP/s.
+      bandwidth: memory bytes per second.
+      launch: seconds per kernel launch.
+    """
+
+    half: float
+    fp8: float
+    f32: float
+    bandwidth: float
+    launch: float
+
+    def seconds(self, kernel: Kernel) -> float:
+        """The kernel's modeled time."""
+        types = kernel.gemm_dtypes
+        peak = self.half
+        if types and all(t.startswith("f8") for t in types):
+            peak = self.fp8
+        elif "f32" in types:
+            peak = self.f32
+        return max(kernel.flops / peak, kernel.bytes / self.bandwidth) + self.launch
+
+
+# Measured, not nominal: bf16 gemms at 629-723 TFLOP/s on an H200 at 8192^3 (RESULTS.md's GPU
+# section), FP8 twice that, TF32 half; 2.8 TB/s of the H100 SXM's 3.35 nominal. With these the
+# model reproduced the H200's measured ratios between steps within about 3 points. A model for
+# comparing variants of one step, not a prediction of absolute times (-20%..+8% on the H200).
+ROOFLINES = {"h100": Roofline(700e12, 1400e12, 350e12, 2.8e12, 2.5e-6)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One kernel the compiled program launches.
@@ -365,6 +429,7 @@ class Kernel:
       loop: the while loop or call it runs in, if any ("" at the top level).
       op_name: the JAX op it was compiled from (the instruction's ``op_name`` metadata, as
         the audit names matmuls), or "".
+      flops: a gemm's FLOPs (2 * result elements * contracted size), else 0.
     """
 
     name: str
@@ -373,6 +438,7 @@ class Kernel:
     gemm_dtypes: tuple[str, ...] = ()
     loop: str = ""
     op_name: str = ""
+    flops: float = 0.0
 
 
 def read_kernels(text: str) -> list[Kernel]:
@@ -404,7 +470,9 @@ def read_kernels(text: str) -> list[Kernel]:
                 _bytes(comp.shapes.get(o, "")) for o in ins.operands
             )
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
-            found.append(Kernel(ins.name, kind, moved, types, via, op.group(1) if op else ""))
+            flops = _gemm_flops(ins, comp, comps) if kind == "gemm" else 0.0
+            name = op.group(1) if op else ""
+            found.append(Kernel(ins.name, kind, moved, types, via, name, flops))
 
     walk(entry, "", 0)
     return found
@@ -469,6 +537,13 @@ class GpuProgram:
             acc[k.kind][0] += 1
             acc[k.kind][1] += k.bytes
         return {k: (v[0], v[1]) for k, v in sorted(acc.items(), key=lambda kv: -kv[1][1])}
+
+    def modeled_seconds(self, roofline: Roofline | None = None) -> float:
+        """The step's time by the target's roofline (see :class:`Roofline`): the sum over its
+        kernels of the longer of their gemm FLOPs at the peak and their bytes at the
+        bandwidth, plus a launch each. For comparing variants of one step."""
+        line = roofline or ROOFLINES.get(self.target, ROOFLINES["h100"])
+        return sum(line.seconds(k) for k in self.kernels)
 
     def gemm_dtypes(self) -> dict[str, int]:
         """{"bf16 x bf16": gemms, ...}: what the gemms run in."""
