@@ -538,7 +538,9 @@ def test_row_scaling_follows_any_dimension_numbers(rng, spec, lhs_shape, rhs_sha
     b = jnp.asarray(rng.normal(size=rhs_shape), jnp.float32)
     f = lambda a, b: jnp.einsum(spec, a, b)
     loss = lambda a, b: jnp.sum(f(a, b) ** 2) * 0.5
-    pol = mpjax.fp8.policy("O1", recipe=mpjax.fp8.CurrentScaling(granularity="row"))
+    pol = mpjax.fp8.policy(
+        "O1", recipe=mpjax.fp8.CurrentScaling(granularity="row"), batched_dots=True
+    )
     state = mpjax.fp8.init(loss, pol, a, b)
     assert state.num_sites == 1
     out = jax.jit(mpjax.fp8.apply(f, pol))(state, a, b)

@@ -210,16 +210,17 @@ def _fn_case():
 # -- the grid -------------------------------------------------------------------------------------
 
 # Each model's FP8 sites: its eligible dots (contracting and free sizes multiples of 16), a
-# scanned body's counted once. Hand-written attention: the Dense, q.k and weights.v, the tied
-# head (4). A Flax block: query, key, value, q.k, weights.v, out, the MLP's two (8). NNX: one
-# block and the head (9). The function form: one scanned layer's q, k, v, q.k, weights.v, o,
-# up, down, and the head (9).
+# scanned body's counted once, without and with attention's batched dots (q.k and weights.v,
+# FP8Policy.batched_dots). Hand-written attention: the Dense and the tied head (2), with q.k
+# and weights.v (4). A Flax block: query, key, value, out, the MLP's two (6; 8). NNX: one
+# block and the head (7; 9). The function form: one scanned layer's q, k, v, o, up, down, and
+# the head (7; 9).
 CASES = {
-    "linen hand attention": (lambda pol: _linen_case(LM(hand=True), pol), 4),
-    "linen MHA x2, tied": (lambda pol: _linen_case(LM(), pol), 17),
-    "linen scan(remat), tied": (lambda pol: _linen_case(LM(scan=True), pol), 9),
-    "nnx MHA, remat, tied": (_nnx_case, 9),
-    "function scan(checkpoint)": (lambda pol: _fn_case(), 9),
+    "linen hand attention": (lambda pol: _linen_case(LM(hand=True), pol), (2, 4)),
+    "linen MHA x2, tied": (lambda pol: _linen_case(LM(), pol), (13, 17)),
+    "linen scan(remat), tied": (lambda pol: _linen_case(LM(scan=True), pol), (7, 9)),
+    "nnx MHA, remat, tied": (_nnx_case, (7, 9)),
+    "function scan(checkpoint)": (lambda pol: _fn_case(), (7, 9)),
 }
 RECIPES = {
     "delayed": None,
@@ -233,24 +234,32 @@ def _flat(tree):
 
 
 def _grid():
-    # The test command runs every model at O2 with the default recipe, and two models under
-    # the other recipes; the slow set runs the whole grid.
-    fast = {(m, "O2", "delayed") for m in CASES}
-    fast |= {("linen hand attention", "O1", "current"), ("nnx MHA, remat, tied", "O2", "row")}
+    # The test command runs every model at O2 with the default recipe, two models under the
+    # other recipes and two with attention's dots in FP8; the slow set runs the whole grid.
+    fast = {(m, "O2", "delayed", False) for m in CASES}
+    fast |= {("linen hand attention", "O1", "current", False)}
+    fast |= {("nnx MHA, remat, tied", "O2", "row", False)}
+    fast |= {
+        ("linen hand attention", "O2", "delayed", True),
+        ("linen MHA x2, tied", "O1", "row", True),
+    }
     out = []
     for model in CASES:
         for level in ("O1", "O2"):
             for recipe in RECIPES:
-                marks = () if (model, level, recipe) in fast else pytest.mark.slow
-                out.append(pytest.param(model, level, recipe, marks=marks,
-                                        id=f"{model}-{level}-{recipe}"))  # fmt: skip
+                for batched in (False, True):
+                    cell = (model, level, recipe, batched)
+                    marks = () if cell in fast else pytest.mark.slow
+                    name = f"{model}-{level}-{recipe}" + ("-attention" if batched else "")
+                    out.append(pytest.param(*cell, marks=marks, id=name))
     return out
 
 
-@pytest.mark.parametrize("model,level,recipe", _grid())
-def test_fp8_trains_the_model_as_float32_does(model, level, recipe):
+@pytest.mark.parametrize("model,level,recipe,batched_dots", _grid())
+def test_fp8_trains_the_model_as_float32_does(model, level, recipe, batched_dots):
     make, sites = CASES[model]
-    pol = mpjax.fp8.policy(level, "bfloat16", recipe=RECIPES[recipe])
+    sites = sites[batched_dots]
+    pol = mpjax.fp8.policy(level, "bfloat16", recipe=RECIPES[recipe], batched_dots=batched_dots)
     loss, ref, params, batch = make(pol)
     state = mpjax.fp8.init(loss, pol, params, *batch)
     assert state.num_sites == sites
@@ -276,8 +285,8 @@ def _rel(a, b):
 def test_wrapped_attention_under_fp8_is_as_accurate_as_the_function_given_to_fp8():
     """The wrapped model (its base policy applied by the wrapper, FP8 around it) and the same
     float32 model given to mpjax.fp8 as a function are equally close to float32 (measured:
-    0.0868 and 0.0869 relative error of the gradients)."""
-    pol = mpjax.fp8.policy("O2")
+    0.0868 and 0.0869 relative error of the gradients), with attention's dots in FP8."""
+    pol = mpjax.fp8.policy("O2", batched_dots=True)
     loss, ref, params, batch = _linen_case(LM(hand=True), pol)
     state = mpjax.fp8.init(loss, pol, params, *batch)
     wrapped = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, params, *batch)

@@ -361,7 +361,8 @@ def test_every_eligible_dot_of_the_benchmark_models_is_an_fp8_gemm(model, recipe
         params = simplenet.init(jax.random.key(0), width)
         x, y = jnp.ones((batch, width)), jnp.zeros((batch, width))
         loss = lambda p, x, y: simplenet.mse(simplenet.simplenet(p, x), y)
-    pol = mpjax.fp8.policy("O2", recipe=fp8_recipe(recipe))
+    # attention's batched dots too (FP8Policy.batched_dots): every dot of the step
+    pol = mpjax.fp8.policy("O2", recipe=fp8_recipe(recipe), batched_dots=True)
     state = mpjax.fp8.init(loss, pol, params, x, y)
     step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
     report = mpjax.audit(step, state, params, x, y, target="h100", gemm=gemm)

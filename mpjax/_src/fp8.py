@@ -170,10 +170,20 @@ class FP8Policy:
     regions, and dots inside while-loop or custom-derivative bodies run as `base` says (in its
     half dtype).
 
+    Dots with batch dimensions (attention's scores ``q @ k.T`` and weighted values
+    ``p @ v``, whose operands are both activations) stay in the base half dtype unless
+    `batched_dots` is set, as TransformerEngine (``fp8_dpa=False``) and torchao (linear layers
+    only) do by default: quantizing the attention probabilities, the step's largest
+    activation, costs more passes over them than their small gemms save. In the H100 program
+    of a GPT-style step (d_model 4096) delayed scaling is 1.32x faster than O2 bfloat16 by the
+    roofline with them left out, 1.27x with them in FP8 (``benchmarks/fp8_program.py``). A dot
+    ``jax.vmap`` batches is the one dot it maps: its site counts as unbatched.
+
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
       recipe: the scaling recipe: :class:`DelayedScaling` (the default) or
         :class:`CurrentScaling`.
+      batched_dots: whether dots with batch dimensions are sites too.
 
     Example:
       >>> import mpjax, mpjax.fp8
@@ -184,6 +194,7 @@ class FP8Policy:
 
     base: Policy
     recipe: Recipe = DelayedScaling()
+    batched_dots: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, (DelayedScaling, CurrentScaling)):
@@ -200,7 +211,11 @@ class FP8Policy:
 
 
 def policy(
-    level: str = "O1", half_dtype: Any = "bfloat16", recipe: Recipe | None = None
+    level: str = "O1",
+    half_dtype: Any = "bfloat16",
+    recipe: Recipe | None = None,
+    *,
+    batched_dots: bool = False,
 ) -> FP8Policy:
     """Returns an FP8 policy: `level` in `half_dtype`, with dot_general in FP8.
 
@@ -212,6 +227,8 @@ def policy(
       level: the base level, "O1" or "O2" (or "O3").
       half_dtype: the base half dtype (bfloat16 by default, as FP8 training uses).
       recipe: ``DelayedScaling()`` (the default) or ``CurrentScaling()``.
+      batched_dots: also run dots with batch dimensions (attention's) in FP8 (see
+        :class:`FP8Policy`).
 
     Returns:
       An :class:`FP8Policy`.
@@ -230,7 +247,7 @@ def policy(
             "inputs and kernels, E5M2 for their output gradients. Use "
             "mpjax.fp8.policy(level, 'bfloat16')."
         )
-    return FP8Policy(Policy.from_level(level, half_dtype), recipe or DelayedScaling())
+    return FP8Policy(Policy.from_level(level, half_dtype), recipe or DelayedScaling(), batched_dots)
 
 
 # -- the recipe ----------------------------------------------------------------------------------
@@ -307,22 +324,24 @@ def merge(states: Sequence[FP8State]) -> FP8State:
 # -- running a function with FP8 dots ------------------------------------------------------------
 
 
-def _eligible(eqn: Any) -> bool:
+def _eligible(eqn: Any, batched_dots: bool = False) -> bool:
     if eqn.primitive.name != "dot_general":
         return False
     lhs, rhs = (v.aval for v in eqn.invars)
     if not (jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)):
         return False
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb and not batched_dots:  # attention's scores and weighted values (see FP8Policy)
+        return False
     contract = int(np.prod([lhs.shape[d] for d in lc]))
     lfree = int(np.prod([n for d, n in enumerate(lhs.shape) if d not in (*lc, *lb)]))
     rfree = int(np.prod([n for d, n in enumerate(rhs.shape) if d not in (*rc, *rb)]))
     return all(n > 0 and n % _ALIGN == 0 for n in (contract, lfree, rfree))
 
 
-def _has_eligible(jaxpr: Any) -> bool:
+def _has_eligible(jaxpr: Any, batched_dots: bool) -> bool:
     """Whether `jaxpr` or any jaxpr nested in it has an eligible dot (may be a site)."""
-    return any(_eligible(eqn) for eqn in interpret.eqns_within(jaxpr))
+    return any(_eligible(eqn, batched_dots) for eqn in interpret.eqns_within(jaxpr))
 
 
 def _trace_state() -> Any:
@@ -365,23 +384,18 @@ class _Sites:
     base half dtype (a while loop has no reverse-mode gradient to carry amaxes out).
     """
 
-    def __init__(
-        self,
-        scale: jax.Array | None,
-        sink: jax.Array | None,
-        base: Any = None,
-        recipe: Recipe | None = None,
-    ):
+    def __init__(self, scale: jax.Array | None, sink: jax.Array | None, pol: FP8Policy):
         self.count = 0
         # Current scaling: scales from each tensor's amax, not from the state.
-        self.current = recipe if isinstance(recipe, CurrentScaling) else None
+        self.current = pol.recipe if isinstance(pol.recipe, CurrentScaling) else None
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
-        self.base = base
+        self.base = pol.base
+        self.batched_dots = pol.batched_dots
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
         self.frames: list[tuple[Any, Any, Any]] = [(_trace_state(), scale, sink)]
 
     def __call__(self, eqn: Any, invals: list[Any], mode: Any, keep_constants: bool) -> Any:
-        if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn):
+        if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn, self.batched_dots):
             return None
         if self.base is not None and mode != self.base:
             return None
@@ -432,7 +446,7 @@ class _Sites:
         autocast's _bind_with_operands), or None where it holds none."""
         trace, scale, sink = self.frames[-1]
         bodies = [interpret.open_jaxpr(b)[0] for b in interpret.bodies(eqn)]
-        if _trace_state() != trace or not any(_has_eligible(b) for b in bodies):
+        if _trace_state() != trace or not any(_has_eligible(b, self.batched_dots) for b in bodies):
             return None
         consts = [] if scale is None else [scale, sink]
         xs = []
@@ -517,7 +531,7 @@ def init(fn: Callable[..., Any], pol: FP8Policy, *example_args: Any) -> FP8State
     count = []
 
     def counted(*args: Any) -> Any:
-        sites = _Sites(None, None, pol.base)
+        sites = _Sites(None, None, pol)
         out = _run(fn, pol, sites, args)
         count.append(sites.count)
         return out
@@ -528,7 +542,9 @@ def init(fn: Callable[..., Any], pol: FP8Policy, *example_args: Any) -> FP8State
         warnings.warn(
             "mpjax.fp8.init: the function has no dot_general that can run in FP8, so nothing "
             "will: a dot qualifies when its contracting size and each operand's free size are "
-            "multiples of 16 and it is not inside a while_loop or a custom-derivative rule. "
+            "multiples of 16, it has no batch dimensions (attention's: unless the policy "
+            "has batched_dots=True) and it is not inside a while_loop or a custom-derivative "
+            "rule. "
             "The function runs as its base policy, " + str(pol.base) + ".",
             UserWarning,
             stacklevel=2,
@@ -575,7 +591,7 @@ def apply(fn: Callable[..., Any], pol: FP8Policy) -> Callable[..., Any]:
     def wrapped(state: FP8State, *args: Any) -> Any:
         state = _check_state(state, pol)
         n = state.num_sites
-        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32), pol.base, pol.recipe)
+        sites = _Sites(state.scale, jnp.zeros((n, _ROLES), jnp.float32), pol)
         out = _run(fn, pol, sites, args)
         if sites.count != n:
             raise _num_mismatch(n, sites.count)
@@ -656,7 +672,7 @@ def scaled_value_and_grad(
             by = by.at[GRAD].set(jnp.asarray(loss_scale.loss_scale, jnp.float32))
 
         def inner(p: Any, sink: jax.Array) -> Any:
-            sites = _Sites(state.scale / by, sink, pol.base, pol.recipe)
+            sites = _Sites(state.scale / by, sink, pol)
             out = _run(fn, pol, sites, (p, *args))
             counts.append(sites.count)
             out = out if has_aux else (out, None)
