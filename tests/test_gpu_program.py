@@ -406,3 +406,37 @@ def test_quantized_state_update_counted_in_the_h100_program():
     assert default == float(rows["bf16 params, 8-bit moments, recompute=True"][1]), md
     assert 1.0 < default <= 1.1, md
     assert float(rows["bf16 params, 8-bit moments, recompute=False"][1]) <= 1.1, md
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_fp8_pays_in_the_h100_program_by_the_roofline():
+    """A GPT-style LM's Adam step in the H100 program (benchmarks/fp8_program.py), timed by the
+    roofline over its kernels: at d_model 4096 delayed scaling is >= 1.3x faster than O2
+    bfloat16 (measured 1.32x) and current scaling >= 1.2x (1.25x), each with no more compiled
+    temp memory; per-row scaling >= 1.15x (1.18x; the issue's 1.2x is not reached, and its
+    temp is 1.7x O2's at this size). At the GPU benchmark's Transformer size every recipe is
+    faster than O2 bfloat16 (1.22x, 1.17x, 1.09x)."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import fp8_program
+
+    large = fp8_program.measure("large")["rows"]
+    o2 = large["O2 bfloat16"]
+    speed = {k: o2["modeled_seconds"] / r["modeled_seconds"] for k, r in large.items()}
+    assert speed["FP8 delayed"] >= 1.3, speed
+    assert speed["FP8 current"] >= 1.2, speed
+    assert speed["FP8 current per row"] >= 1.15, speed
+    for name in ("FP8 delayed", "FP8 current"):
+        assert large[name]["temp_bytes"] <= o2["temp_bytes"], (name, large[name], o2)
+        # attention's q.k and weights.v (2 layers, forward and 2 backward each) stay bfloat16
+        assert large[name]["gemm_dtypes"]["bf16 x bf16"] == 12, large[name]["gemm_dtypes"]
+    # 13 sites (q, k, v, out, up, down per layer, the head): 3 FP8 gemms each
+    fp8_gemms = {d: n for d, n in large["FP8 delayed"]["gemm_dtypes"].items() if "f8" in d}
+    assert sum(fp8_gemms.values()) == 39, fp8_gemms
+    # the gemms themselves: FP8 at twice the half peak, so about half the time
+    assert large["FP8 delayed"]["gemm_seconds"] <= 0.6 * o2["gemm_seconds"]
+    gpu = fp8_program.measure("gpu")["rows"]
+    for name, row in gpu.items():
+        assert row["modeled_seconds"] <= gpu["O2 bfloat16"]["modeled_seconds"], name
