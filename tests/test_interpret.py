@@ -45,7 +45,7 @@ def test_an_extension_overrides_and_inherits_without_touching_its_parent():
 def test_fp8_extends_autocasts_rules_and_leaves_them_as_they_are():
     from mpjax._src import fp8
 
-    sites = fp8._Sites(None, None)
+    sites = fp8._Sites(None, None, fp8.policy("O2"))
     rules = sites.rules()
     dot = _eqn(jnp.dot, jnp.ones((16, 16)), jnp.ones((16, 16)), name="dot_general")
     assert rules(dot) is not autocast.RULES(dot)
