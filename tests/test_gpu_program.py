@@ -144,8 +144,38 @@ def test_a_gpu_target_without_the_plugin_says_how_to_install_it():
 
 
 def test_an_unknown_gpu_target_is_named():
-    with pytest.raises(ValueError, match="unknown GPU target 'h900'.*GpuTargetConfig"):
+    with pytest.raises(ValueError, match=r"unknown GPU target 'h900'.*\['b200', 'h100'\]"):
         mpjax.audit(lambda x: x @ x, jnp.ones((8, 8)), target="h900")
+
+
+def test_target_names_are_taken_in_any_case():
+    assert gpu_program.target_name("H100") == "h100"
+    assert gpu_program.target_name(" B200") == "b200"
+    assert gpu_program.target_name(gpu_program.H100) == gpu_program.H100  # a text proto
+    assert "major: 10" in gpu_program.TARGETS["b200"]
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_b200_program_runs_fp8_gemms_and_models_faster_than_the_h100s():
+    """The B200 target (Blackwell, sm_100) compiles the FP8 step: every site's three dots are
+    FP8 gemms there too, and its roofline times the step below the H100's."""
+    import mpjax.fp8
+
+    params = [jnp.ones((512, 1024)) / 32, jnp.ones((1024, 256)) / 32]
+    x = jnp.ones((256, 512))
+    loss = lambda p, x: jnp.mean(jnp.tanh(x @ p[0]) @ p[1])
+    pol = mpjax.fp8.policy("O2")
+    state = mpjax.fp8.init(loss, pol, params, x)
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
+    b200 = mpjax.audit(step, state, params, x, target="B200").gpu
+    h100 = mpjax.audit(step, state, params, x, target="h100").gpu
+    assert b200.target == "b200" and h100.target == "h100"
+    # 2 forward, 1 input gradient (the first layer's input needs none), 2 weight gradients
+    assert sum(b200.gemm_dtypes().values()) == 5, b200.gemm_dtypes()
+    assert all(d.startswith("f8") for d in b200.gemm_dtypes()), b200.gemm_dtypes()
+    assert b200.modeled_seconds() < h100.modeled_seconds()
+    assert "modeled time" in str(b200) and b200.to_dict()["modeled_seconds"] > 0
 
 
 def _mlp_step(policy):

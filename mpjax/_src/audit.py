@@ -61,11 +61,12 @@ def audit(
     With `compile`, it also reads the backend's optimized HLO (text, the only form XLA gives)
     to show the dtypes the matmuls really run in.
 
-    With `target` (``"h100"``, or a GpuTargetConfig text proto for another GPU), it compiles
-    the program XLA would run on that GPU, from any machine, CPU-only ones included (JAX's
-    CUDA plugin must be installed; no GPU or NVIDIA library is needed), and ``report.gpu``
-    lists its kernels by kind, the bytes they move, its gemms' dtypes (half, float32, FP8),
-    its temp memory and the narrowing casts XLA folded away.
+    With `target` (``"h100"``, ``"b200"``, or a GpuTargetConfig text proto for another GPU),
+    it compiles the program XLA would run on that GPU, from any machine, CPU-only ones
+    included (JAX's CUDA plugin must be installed; no GPU or NVIDIA library is needed), and
+    ``report.gpu`` lists its kernels by kind, the bytes they move, its gemms' dtypes (half,
+    float32, FP8), its temp memory, the narrowing casts XLA folded away and the step's
+    modeled time (a roofline over its kernels, ``report.gpu.modeled_seconds()``).
 
     It takes anything :func:`mpjax.autocast` accepts: `fn` plain, jitted (``jax.jit``,
     ``eqx.filter_jit``) or autocast, its arguments pytrees whose array leaves (or
@@ -82,8 +83,9 @@ def audit(
       fn: the function, e.g. a jitted train step.
       *args: its arguments: pytrees of arrays or ``jax.ShapeDtypeStruct``, and static leaves.
       compile: also compile and read the optimized HLO (default True).
-      target: a GPU to compile for instead of this machine's backend: "h100" or a
-        GpuTargetConfig text proto. The arguments' arrays stand for arrays on that GPU.
+      target: a GPU to compile for instead of this machine's backend: "h100", "b200" (in any
+        case) or a GpuTargetConfig text proto. The arguments' arrays stand for arrays on that
+        GPU.
       gemm: with `target`: "cublas" (default; every matmul a cuBLAS call, as no autotuning
         runs without the GPU) or "triton" (XLA's default path, untuned tiles).
       **kwargs: its keyword arguments.

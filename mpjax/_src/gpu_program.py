@@ -49,7 +49,26 @@ runtime_version { major: 12 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
-TARGETS = {"h100": H100}
+# A B200 (Blackwell, compute capability 10.0): 148 SMs, 8 TB/s of HBM3e, 126 MB of L2.
+B200 = (
+    H100.replace("core_count: 132", "core_count: 148")
+    .replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 8000000000000")
+    .replace("l2_cache_size: 52428800", "l2_cache_size: 132120576")
+    .replace("clock_rate_ghz: 1.98", "clock_rate_ghz: 1.965")
+    .replace("device_memory_size: 84929347584", "device_memory_size: 191514689536")
+    .replace("cuda_compute_capability { major: 9 }", "cuda_compute_capability { major: 10 }")
+    .replace("NVIDIA H100 80GB HBM3", "NVIDIA B200")
+)
+
+TARGETS = {"h100": H100, "b200": B200}
+
+
+def target_name(target: str) -> str:
+    """A target's key in TARGETS (names in any case: "H100" is "h100"), or the text proto
+    itself."""
+    lowered = target.strip().lower()
+    return lowered if lowered in TARGETS else target
+
 
 # XLA options per gemm path: without a device no autotuning, so cuBLAS calls compare variants
 # on equal terms; "triton" is XLA's default path with its untuned tiles.
@@ -114,7 +133,7 @@ _SHARDINGS: dict[str, Any] = {}
 
 def _sharding(target: str) -> Any:
     """A replicated sharding on `target`'s one compile-only device."""
-    config = TARGETS.get(target, target)
+    config = TARGETS.get(target_name(target), target)
     if "gpu_device_info" not in config:
         raise ValueError(
             f"unknown GPU target {target!r}: use one of {sorted(TARGETS)} or pass a "
@@ -412,7 +431,13 @@ class Roofline:
 # section), FP8 twice that, TF32 half; 2.8 TB/s of the H100 SXM's 3.35 nominal. With these the
 # model reproduced the H200's measured ratios between steps within about 3 points. A model for
 # comparing variants of one step, not a prediction of absolute times (-20%..+8% on the H200).
-ROOFLINES = {"h100": Roofline(700e12, 1400e12, 350e12, 2.8e12, 2.5e-6)}
+# The B200's: its nominal dense peaks (2.25 PFLOP/s bf16, 4.5 FP8, 1.1 TF32) and 8 TB/s at the
+# fractions the H200 measured of its own (0.71 of the bf16 peak, 0.84 of the bandwidth): a
+# model no B200 measurement has checked yet.
+ROOFLINES = {
+    "h100": Roofline(700e12, 1400e12, 350e12, 2.8e12, 2.5e-6),
+    "b200": Roofline(1600e12, 3200e12, 800e12, 6.7e12, 2.5e-6),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -542,7 +567,7 @@ class GpuProgram:
         """The step's time by the target's roofline (see :class:`Roofline`): the sum over its
         kernels of the longer of their gemm FLOPs at the peak and their bytes at the
         bandwidth, plus a launch each. For comparing variants of one step."""
-        line = roofline or ROOFLINES.get(self.target, ROOFLINES["h100"])
+        line = roofline or self.roofline()
         return sum(line.seconds(k) for k in self.kernels)
 
     def gemm_dtypes(self) -> dict[str, int]:
@@ -562,15 +587,34 @@ class GpuProgram:
             "temp_bytes": self.temp_bytes,
             "narrowing_casts": self.narrowing_casts,
             "folded_casts": self.folded_casts,
+            "modeled_seconds": self.modeled_seconds(),
+            "modeled_seconds_by_kind": self.modeled_by_kind(),
         }
+
+    def modeled_by_kind(self, roofline: Roofline | None = None) -> dict[str, float]:
+        """{kind: modeled seconds} (see :meth:`modeled_seconds`), the longest first."""
+        line = roofline or self.roofline()
+        acc: dict[str, float] = collections.defaultdict(float)
+        for k in self.kernels:
+            acc[k.kind] += line.seconds(k)
+        return dict(sorted(acc.items(), key=lambda kv: -kv[1]))
+
+    def roofline(self) -> Roofline:
+        """The target's roofline (an H100's for a custom target)."""
+        return ROOFLINES.get(self.target, ROOFLINES["h100"])
 
     def __str__(self) -> str:
         rows = [
             f"{self.target} program ({self.gemm} gemms): {len(self.kernels)} kernels, "
             f"{self.bytes_moved / 2**20:.1f} MiB moved, temp {self.temp_bytes / 2**20:.1f} MiB",
-            f"  {'kind':<16}{'kernels':>8}{'MiB':>10}",
+            f"  modeled time {self.modeled_seconds() * 1e3:.3f} ms (a roofline over the kernels)",
+            f"  {'kind':<16}{'kernels':>8}{'MiB':>10}{'modeled ms':>12}",
         ]
-        rows += [f"  {k:<16}{n:>8}{b / 2**20:>10.1f}" for k, (n, b) in self.by_kind().items()]
+        times = self.modeled_by_kind()
+        rows += [
+            f"  {k:<16}{n:>8}{b / 2**20:>10.1f}{times[k] * 1e3:>12.3f}"
+            for k, (n, b) in self.by_kind().items()
+        ]
         rows.append(
             "  gemms: " + ", ".join(f"{n} {d}" for d, n in sorted(self.gemm_dtypes().items()))
         )
@@ -591,7 +635,7 @@ def read_program(lowered: Any, compiled: Any, text: str, target: str, gemm: str)
     before = narrowing_pairs(lowered.as_text(dialect="hlo"))
     after = narrowing_pairs(text)
     return GpuProgram(
-        target if target in TARGETS else "custom",
+        target_name(target) if target_name(target) in TARGETS else "custom",
         gemm,
         tuple(read_kernels(text)),
         temp,
