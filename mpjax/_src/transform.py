@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from collections.abc import Mapping
@@ -182,6 +183,8 @@ def loss_scale(
       :func:`loss_scale_metrics` warn (:class:`InexactSkipWarning`, once per state
       structure) when they find one after ``loss_scale()`` in a chain. optax's chain gives a
       transformation no way to stop the ones after it, so this form cannot be made exact.
+      A stateful one *before* it sees the scaled gradients unchecked: one non-finite step
+      puts inf into its state and every later step is skipped; they warn of that too.
 
     For gradient accumulation wrap ``optax.MultiSteps``: ``mpjax.loss_scale(optax.MultiSteps(
     optax.adam(1e-3), k))`` skips an overflowing microbatch without poisoning the accumulator
@@ -456,11 +459,13 @@ class HalfAdamWarning(UserWarning):
     """
 
 
-def _chain_followers(opt_state: Any) -> list[str]:
-    """The stateful transformations that follow a chain-form loss_scale() in a chain: the
-    type names of the states after it (optax.chain's state is a tuple in chain order,
-    named_chain's a dict) that hold any leaf, such as adam's moments or a schedule's count."""
+def _chain_neighbours(opt_state: Any) -> tuple[list[str], list[str]]:
+    """The stateful transformations that follow a chain-form loss_scale() in a chain, and
+    those that come before it: the type names of the states after (before) it (optax.chain's
+    state is a tuple in chain order, named_chain's a dict) that hold any leaf, such as adam's
+    moments, momentum's trace or a schedule's count."""
     found: list[str] = []
+    before: list[str] = []
 
     def children(x: Any) -> list[Any]:
         if isinstance(x, Mapping):
@@ -478,12 +483,29 @@ def _chain_followers(opt_state: Any) -> list[str]:
                 ):
                     after = [k for k in kids[i + 1 :] if jax.tree_util.tree_leaves(k)]
                     found.extend(_state_name(k) for k in after)
+                    ahead = [k for k in kids[:i] if jax.tree_util.tree_leaves(k)]
+                    before.extend(_state_name(k) for k in ahead)
         for kid in kids:
             if kid is not x:  # a leaf is its own only child
                 walk(kid)
 
     walk(opt_state)
-    return found
+    return found, before
+
+
+# Frames of these packages are not the user's line a warning should point at.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (optax, jax) if m.__file__
+) + (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` in this function's caller that names the first
+    frame outside mpjax, optax and JAX: the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _state_name(state: Any) -> str:
@@ -503,7 +525,18 @@ def _warn_if_inexact(opt_state: Any) -> None:
     if key in _CHECKED:
         return
     _CHECKED.add(key)
-    followers = _chain_followers(opt_state)
+    followers, leaders = _chain_neighbours(opt_state)
+    if leaders:
+        warnings.warn(
+            f"optax.chain(..., mpjax.loss_scale()) comes after stateful transformations "
+            f"({', '.join(leaders)}): they see the scaled gradients before loss_scale() checks "
+            "them, so one non-finite step puts inf or NaN into their state (a momentum trace, "
+            "Adam's moments) and every later step is skipped while the scale halves. Put "
+            "mpjax.loss_scale() first in the chain, or wrap the optimizer: "
+            "mpjax.loss_scale(optax.chain(...)).",
+            InexactSkipWarning,
+            stacklevel=user_stacklevel(),
+        )
     if not followers:
         return
     warnings.warn(
@@ -514,7 +547,7 @@ def _warn_if_inexact(opt_state: Any) -> None:
         "mpjax.loss_scale(optax.adamw(...)): a skipped step then changes no param and no "
         "optimizer state.",
         InexactSkipWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
