@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -502,7 +503,8 @@ _LIBRARY_DIRS = tuple(
 def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn`` in this function's caller that names the first
     frame outside mpjax, optax and JAX: the user's line."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
     return level
