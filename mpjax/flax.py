@@ -122,6 +122,13 @@ class _Resolver:
         hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
         if key in names:
             hint += f"; {key!r} is a class name: use the class itself, {{{key}: ...}}"
+        if not paths:
+            top = next(iter(names), "the module")
+            return (
+                f"path key {key!r} matches no module path: {top} has no submodules, so no path "
+                f"key can match; to rule the module itself, use its class, {{{top}: ...}}, or "
+                "wrap it with that policy"
+            )
         shown = ", ".join(map(repr, paths[:12])) + (", ..." if len(paths) > 12 else "")
         return f"path key {key!r} matches no module path (the paths are {shown}){hint}"
 

@@ -21,6 +21,8 @@ def _update(grads, tx=None, params=PARAMS):
     return tx.update(grads, tx.init(params), params)
 
 
+_OPT_STATE = mpjax.loss_scale(optax.sgd(0.1)).init(PARAMS)
+
 ERRORS = [
     # (call, exception, words the message must contain)
     (lambda: mpjax.Policy(None, jnp.float32, jnp.float32), ValueError, "param_dtype is None"),
@@ -34,6 +36,10 @@ ERRORS = [
     (lambda: mpjax.Policy.from_level("O1", loss_scaling=True), TypeError, "must be a float, got bool"),
     (lambda: mpjax.get_policy(None), TypeError, "takes a string"),
     (lambda: mpjax.get_policy("p=f32,c=fp8"), ValueError, "Unknown dtype 'fp8'"),
+    (lambda: mpjax.get_policy("params=float32,compute=int32,output=float32"), ValueError, "Unknown dtype 'int32' must be full,half,float16,bfloat16 or a contraction thereof (jmp's words): a policy's dtypes are floating point, full (float32, f32)"),
+    (lambda: mpjax.scaled_value_and_grad(_OPT_STATE), TypeError, "takes the loss function, got LossScaleState"),
+    (lambda: mpjax.scaled_value_and_grad(lambda p: jnp.sum(p["w"]))(PARAMS, _OPT_STATE), ValueError, "the first argument, a dict, holds no mpjax.loss_scale() state"),
+    (lambda: mpjax.scaled_value_and_grad(lambda p: jnp.sum(p["w"]), has_aux=True)(_OPT_STATE, PARAMS), TypeError, "return a pair (loss, aux); it returned a float32[] array"),
     (lambda: mpjax.get_policy("p:f32"), ValueError, "Unknown dtype 'p:f32'"),
     (lambda: mpjax.get_policy("p=f32,c=float8_e4m3fn,o=f32"), ValueError, "use mpjax.fp8.policy('O1')"),
     (lambda: mpjax.Policy.from_level("O2", "float8_e4m3fn"), ValueError, "FP8 is not a policy dtype"),
@@ -191,3 +197,14 @@ def test_autocast_with_wrong_shapes_reports_the_users_error():
     f = mpjax.autocast(lambda w, x: x @ w, O1)
     with pytest.raises(TypeError, match="dot_general requires contracting dimensions"):
         f(jnp.ones((3, 4)), jnp.ones((2, 5)))
+
+
+def test_o0_takes_float32_and_a_path_rule_on_a_leaf_module_names_the_fix():
+    # O0 is float32 throughout: naming float32 as its dtype is no error
+    assert mpjax.Policy.from_level("O0", "float32") == mpjax.Policy.from_level("O0")
+    # a module without submodules has no paths: the message says so and names the class key
+    model = mpjax.flax.wrap(nn.Dense(3), O1, rules={"Dens": "O0"})
+    with pytest.raises(
+        ValueError, match=r"Dense has no submodules.*use its class, \{Dense: \.\.\.\}"
+    ):
+        model.init(jax.random.key(0), jnp.ones((1, 2)))

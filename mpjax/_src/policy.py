@@ -105,7 +105,9 @@ def parse_dtype(value: str) -> Any:
     except KeyError:
         raise ValueError(
             f"Unknown dtype '{value}' must be full,half,float16,bfloat16 or a contraction "
-            "thereof (e.g. 'f32' for 'float32', 'bf16' for 'bfloat16')." + _float8_hint(value)
+            "thereof (jmp's words): a policy's dtypes are floating point, full (float32, f32), "
+            "half (the backend's half dtype), float16 (f16) or bfloat16 (bf16)."
+            + _float8_hint(value)
         ) from None
 
 
@@ -603,7 +605,7 @@ class Policy:
             if half_dtype is not None
             else _backend_half_dtype()
         )
-        if half not in _HALF_DTYPES:
+        if half not in _HALF_DTYPES and not (level == "O0" and half == np.float32):
             raise ValueError(
                 f"half_dtype must be float16 or bfloat16, got {half}; for full precision use "
                 "level 'O0'." + _float8_hint(half)

@@ -588,6 +588,13 @@ def get_loss_scale(opt_state: Any) -> ls_lib.LossScale:
     return _the_state(opt_state, "get_loss_scale").loss_scale
 
 
+def _describe_value(x: Any) -> str:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"a {np.dtype(dtype).name}{list(shape)} array"
+    return f"a {type(x).__name__}"
+
+
 def loss_scale_of(state: Any) -> ls_lib.LossScale:
     """The loss scale in `state`: an optimizer state, a TrainState or an ``nnx.Optimizer``."""
     return get_loss_scale(state.opt_state if _is_nnx(state, "Optimizer") else state)
@@ -639,11 +646,31 @@ def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
       (3.0, 65536.0, 0.9)
     """
 
+    if not callable(fun):
+        raise TypeError(
+            f"scaled_value_and_grad takes the loss function, got {type(fun).__name__}; the "
+            "state comes in the call it returns: "
+            "mpjax.scaled_value_and_grad(loss_fn)(state, params, *batch)."
+        )
+
     def wrapped(state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        if not find_states(state.opt_state if _is_nnx(state, "Optimizer") else state):
+            raise ValueError(
+                f"mpjax.scaled_value_and_grad(loss_fn)(state, params, *batch): the first "
+                f"argument, a {type(state).__name__}, holds no mpjax.loss_scale() state. It is "
+                "the optimizer state (or TrainState, nnx.Optimizer) of a tx built with "
+                "mpjax.loss_scale; the params come second."
+            )
         scale = loss_scale_of(state)
 
         def scaled(p: Any, *a: Any, **k: Any) -> Any:
             out = fun(p, *a, **k)
+            if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "scaled_value_and_grad(..., has_aux=True) needs the loss function to "
+                    f"return a pair (loss, aux); it returned {_describe_value(out)}. Return "
+                    "(loss, aux), or drop has_aux=True."
+                )
             return scale.scale(out[0] if has_aux else out), out
 
         if _is_nnx(params, "Module"):
