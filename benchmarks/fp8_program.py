@@ -8,6 +8,7 @@ launch).
     pip install --no-deps jax-cuda12-plugin==$JAX jax-cuda12-pjrt==$JAX   # JAX's own version
     python benchmarks/fp8_program.py                    # d_model 4096 and the GPU benchmark's
     python benchmarks/fp8_program.py --size large --json out.json
+    python benchmarks/fp8_program.py --target b200      # a B200's program and roofline
 
 Sizes: ``large`` is d_model 4096, 2 layers, 32 heads, 4 x 1024 tokens (where FP8 should pay:
 the gemms dominate); ``gpu`` is ``models.py``'s Transformer at ``--size gpu`` (d_model 2048, 8
@@ -87,12 +88,12 @@ def abstract_step(size: str, recipe: Any) -> tuple[Any, tuple[Any, ...]]:
     return (step if recipe is None else fp8_step), args
 
 
-def measure(size: str) -> dict[str, Any]:
+def measure(size: str, target: str = "h100") -> dict[str, Any]:
     rows = {}
     for name, recipe in RECIPES.items():
         start = time.perf_counter()
         step, args = abstract_step(size, recipe)
-        program = mpjax.audit(step, *args, target="h100").gpu
+        program = mpjax.audit(step, *args, target=target).gpu
         assert program is not None
         rows[name] = {
             "kernels": len(program.kernels),
@@ -100,7 +101,7 @@ def measure(size: str) -> dict[str, Any]:
             "temp_bytes": program.temp_bytes,
             "modeled_seconds": program.modeled_seconds(),
             "gemm_seconds": sum(
-                mpjax_roofline().seconds(k) for k in program.kernels if k.kind == "gemm"
+                program.roofline().seconds(k) for k in program.kernels if k.kind == "gemm"
             ),
             "gemm_dtypes": program.gemm_dtypes(),
             "by_kind": {k: list(v) for k, v in program.by_kind().items()},
@@ -112,13 +113,7 @@ def measure(size: str) -> dict[str, Any]:
             f"{rows[name]['modeled_seconds'] * 1e3:.2f} ms ({rows[name]['compile_seconds']} s)",
             file=sys.stderr,
         )
-    return {"size": size, "shape": SIZES[size], "rows": rows}
-
-
-def mpjax_roofline() -> Any:
-    from mpjax._src import gpu_program
-
-    return gpu_program.ROOFLINES["h100"]
+    return {"size": size, "shape": SIZES[size], "target": target, "rows": rows}
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -126,7 +121,8 @@ def markdown(result: dict[str, Any]) -> str:
     base = rows["O2 bfloat16"]
     width, depth, heads, seq, batch = result["shape"]
     out = [
-        f"H100 program, GPT-style LM d_model {width}, {depth} layers, {heads} heads, "
+        f"{result['target'].upper()} program, GPT-style LM d_model {width}, {depth} layers, "
+        f"{heads} heads, "
         f"{batch} x {seq} tokens, Adam (cuBLAS gemms):",
         "",
         "| step | kernels | GB moved | compiled temp | modeled ms | gemm ms | vs O2 bf16 |",
@@ -145,9 +141,14 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=SIZES, action="append")
+    parser.add_argument("--target", choices=["h100", "b200"], action="append")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
-    results = [measure(size) for size in args.size or ["large", "gpu"]]
+    results = [
+        measure(size, target)
+        for target in args.target or ["h100"]
+        for size in args.size or ["large", "gpu"]
+    ]
     for result in results:
         print(markdown(result), end="\n\n")
     if args.json:
