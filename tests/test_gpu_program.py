@@ -144,7 +144,7 @@ def test_a_gpu_target_without_the_plugin_says_how_to_install_it():
 
 
 def test_an_unknown_gpu_target_is_named():
-    with pytest.raises(ValueError, match=r"unknown GPU target 'h900'.*\['b200', 'h100'\]"):
+    with pytest.raises(ValueError, match=r"unknown GPU target 'h900'.*\['b200', 'h100', 'h200'\]"):
         mpjax.audit(lambda x: x @ x, jnp.ones((8, 8)), target="h900")
 
 
@@ -470,3 +470,21 @@ def test_fp8_pays_in_the_h100_program_by_the_roofline():
     gpu = fp8_program.measure("gpu")["rows"]
     for name, row in gpu.items():
         assert row["modeled_seconds"] <= gpu["O2 bfloat16"]["modeled_seconds"], name
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_convolution_flops_are_counted_for_the_roofline():
+    """A 3x3 convolution's forward, input-gradient and filter-gradient cuDNN calls each count
+    2 * output elements * 9 * input features: the roofline times them by FLOPs, not bytes."""
+    x = jnp.ones((8, 32, 32, 64), jnp.bfloat16)
+    w = jnp.ones((3, 3, 64, 128), jnp.bfloat16)
+    conv = lambda x, w: jax.lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    loss = lambda x, w: jnp.sum(conv(x, w).astype(jnp.float32))
+    program = mpjax.audit(jax.jit(jax.grad(loss, argnums=(0, 1))), x, w, target="h200").gpu
+    convs = [k for k in program.kernels if k.kind == "conv"]
+    forward = 2 * 8 * 32 * 32 * 128 * 9 * 64
+    assert len(convs) == 2 and sum(k.flops for k in convs) == 2 * forward, convs
+    assert program.target == "h200"

@@ -61,7 +61,7 @@ def audit(
     With `compile`, it also reads the backend's optimized HLO (text, the only form XLA gives)
     to show the dtypes the matmuls really run in.
 
-    With `target` (``"h100"``, ``"b200"``, or a GpuTargetConfig text proto for another GPU),
+    With `target` (``"h100"``, ``"h200"``, ``"b200"``, or a GpuTargetConfig text proto),
     it compiles the program XLA would run on that GPU, from any machine, CPU-only ones
     included (JAX's CUDA plugin must be installed; no GPU or NVIDIA library is needed), and
     ``report.gpu`` lists its kernels by kind, the bytes they move, its gemms' dtypes (half,
@@ -83,9 +83,9 @@ def audit(
       fn: the function, e.g. a jitted train step.
       *args: its arguments: pytrees of arrays or ``jax.ShapeDtypeStruct``, and static leaves.
       compile: also compile and read the optimized HLO (default True).
-      target: a GPU to compile for instead of this machine's backend: "h100", "b200" (in any
-        case) or a GpuTargetConfig text proto. The arguments' arrays stand for arrays on that
-        GPU.
+      target: a GPU to compile for instead of this machine's backend: "h100", "h200",
+        "b200" (in any case) or a GpuTargetConfig text proto. The arguments' arrays stand for
+        arrays on that GPU.
       gemm: with `target`: "cublas" (default; every matmul a cuBLAS call, as no autotuning
         runs without the GPU) or "triton" (XLA's default path, untuned tiles).
       **kwargs: its keyword arguments.

@@ -60,7 +60,15 @@ B200 = (
     .replace("NVIDIA H100 80GB HBM3", "NVIDIA B200")
 )
 
-TARGETS = {"h100": H100, "b200": B200}
+# An H200 (Hopper, as the H100, with 141 GB of HBM3e at 4.8 TB/s): the GPU this project's
+# measured rows come from.
+H200 = (
+    H100.replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 4800000000000")
+    .replace("device_memory_size: 84929347584", "device_memory_size: 150754820096")
+    .replace("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+)
+
+TARGETS = {"h100": H100, "h200": H200, "b200": B200}
 
 
 def target_name(target: str) -> str:
@@ -397,10 +405,38 @@ def _gemm_flops(ins: _Instr, comp: _Computation, comps: dict[str, _Computation])
     return _dot_flops(dot.shape, scope.shapes[dot.operands[0]] if scope else "", dims)
 
 
+def _conv_flops(ins: _Instr, comp: _Computation) -> float:
+    """2 * output elements * window size * input features / groups (XLA's HloCostAnalysis
+    rule), read from a cuDNN convolution call's ``window=`` and ``dim_labels=``: forward,
+    backward-input and backward-filter calls alike are each a convolution of their operands,
+    with the forward's labels."""
+    window = re.search(r"window=\{size=([\dx]+)", ins.attrs)
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
+    if not window or not labels or not ins.operands:
+        return 0.0
+    shapes = [_arrays(comp.shapes.get(o, "")) for o in ins.operands[:2]]
+    ops = [a[0][1] if a else () for a in shapes]
+    result = _arrays(ins.shape)
+    res = result[0][1] if result else ()
+    if "BackwardInput" in ins.attrs:
+        lhs, out = res, ops[0]
+    elif "BackwardFilter" in ins.attrs and len(ops) > 1:
+        lhs, out = ops[0], ops[1]
+    else:
+        lhs, out = ops[0], res
+    f = labels.group(1).find("f")
+    if f < 0 or f >= len(lhs):
+        return 0.0
+    groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
+    size = math.prod(int(n) for n in window.group(1).split("x"))
+    return 2.0 * math.prod(out) * size * lhs[f] / (int(groups.group(1)) if groups else 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Roofline:
-    """A GPU's roofline: each kernel takes the longer of its gemm FLOPs at the peak for its
-    operand dtype and its bytes at the memory bandwidth, plus a launch cost.
+    """A GPU's roofline: each kernel takes the longer of its gemm (or convolution) FLOPs at
+    the peak for its operand dtype and its bytes at the memory bandwidth, plus a launch cost.
+    A convolution runs at the half peak.
 
     Attributes:
       half: dense bfloat16/float16 gemm FLOP/s.
@@ -436,6 +472,9 @@ class Roofline:
 # model no B200 measurement has checked yet.
 ROOFLINES = {
     "h100": Roofline(700e12, 1400e12, 350e12, 2.8e12, 2.5e-6),
+    # The H200's own measurements (RESULTS.md's GPU section): bf16 gemms 663.5 TFLOP/s at
+    # 8192^3, TF32 366.7, a device copy 3.67 TB/s; FP8 taken as twice bf16 (not measured).
+    "h200": Roofline(663.5e12, 1327e12, 366.7e12, 3.67e12, 2.5e-6),
     "b200": Roofline(1600e12, 3200e12, 800e12, 6.7e12, 2.5e-6),
 }
 
@@ -454,7 +493,8 @@ class Kernel:
       loop: the while loop or call it runs in, if any ("" at the top level).
       op_name: the JAX op it was compiled from (the instruction's ``op_name`` metadata, as
         the audit names matmuls), or "".
-      flops: a gemm's FLOPs (2 * result elements * contracted size), else 0.
+      flops: a gemm's FLOPs (2 * result elements * contracted size), a cuDNN
+        convolution's (2 * output elements * window * input features / groups), else 0.
     """
 
     name: str
@@ -495,7 +535,13 @@ def read_kernels(text: str) -> list[Kernel]:
                 _bytes(comp.shapes.get(o, "")) for o in ins.operands
             )
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
-            flops = _gemm_flops(ins, comp, comps) if kind == "gemm" else 0.0
+            flops = (
+                _gemm_flops(ins, comp, comps)
+                if kind == "gemm"
+                else _conv_flops(ins, comp)
+                if kind == "conv" and ins.opcode == "custom-call"
+                else 0.0
+            )
             name = op.group(1) if op else ""
             found.append(Kernel(ins.name, kind, moved, types, via, name, flops))
 
