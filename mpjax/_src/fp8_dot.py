@@ -62,6 +62,12 @@ def gemm_dtype(dtype: Any) -> Any:
     return np.dtype(np.float32) if np.dtype(dtype) == np.float16 else np.dtype(dtype)
 
 
+def _descaled(acc: jax.Array, inverse: Any, out: Any) -> jax.Array:
+    """A gemm's result `acc` (in ``gemm_dtype(out)``) times its inverse scales, rounded once to
+    `out`."""
+    return (acc * inverse.astype(acc.dtype)).astype(out)
+
+
 def _amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
@@ -141,7 +147,7 @@ def _fp8_fwd(
     rq = quantize(rhs, E4M3, scale[KERNEL])
     out_dtype = pref or jnp.result_type(lhs, rhs)
     acc = lax.dot_general(lq, rq, dims, preferred_element_type=gemm_dtype(out_dtype))
-    out = (acc * (1.0 / (scale[INPUT] * scale[KERNEL])).astype(acc.dtype)).astype(out_dtype)
+    out = _descaled(acc, 1.0 / (scale[INPUT] * scale[KERNEL]), out_dtype)
     like = (jnp.zeros([], lhs.dtype), jnp.zeros([], rhs.dtype))  # the cotangents' dtypes
     return out, (lq, rq, scale, _amax(lhs), _amax(rhs), *like)
 
@@ -153,10 +159,10 @@ def _fp8_bwd(dims: Any, precision: Any, pref: Any, res: Any, g: jax.Array) -> tu
     # As forward: each cotangent in its operand's dtype, the scales folded into the gemm.
     ldt, rdt = l_like.dtype, r_like.dtype
     dl = _transpose_lhs(gq, lq.ndim, rq, dims, False, gemm_dtype(ldt))
-    dl = (dl * (1.0 / (scale[GRAD] * scale[KERNEL])).astype(dl.dtype)).astype(ldt)
+    dl = _descaled(dl, 1.0 / (scale[GRAD] * scale[KERNEL]), ldt)
     swapped = ((rc, lc), (rb, lb))
     dr = _transpose_lhs(gq, rq.ndim, lq, swapped, True, gemm_dtype(rdt))
-    dr = (dr * (1.0 / (scale[GRAD] * scale[INPUT])).astype(dr.dtype)).astype(rdt)
+    dr = _descaled(dr, 1.0 / (scale[GRAD] * scale[INPUT]), rdt)
     amaxes = jnp.stack([amax_l, amax_r, _amax(g)])
     return dl, dr, jnp.zeros_like(scale), amaxes
 
@@ -217,8 +223,7 @@ def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin:
     # The result's axes: a's kept axis, then b's. sa is [B, M, 1] or [B, 1, M]; sb likewise.
     inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))
     inv_b = jnp.reshape(1.0 / sb, (sb.shape[0], 1, -1))
-    res = (acc * (inv_a * inv_b).astype(acc.dtype)).astype(out)
-    return res, jnp.max(row_a), jnp.max(row_b)
+    return _descaled(acc, inv_a * inv_b, out), jnp.max(row_a), jnp.max(row_b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
