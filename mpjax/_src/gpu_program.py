@@ -432,6 +432,15 @@ def _conv_flops(ins: _Instr, comp: _Computation) -> float:
     return 2.0 * math.prod(out) * size * lhs[f] / (int(groups.group(1)) if groups else 1)
 
 
+def _flops(kind: str, ins: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> float:
+    """A kernel's gemm or cuDNN convolution FLOPs; 0 for any other kernel."""
+    if kind == "gemm":
+        return _gemm_flops(ins, comp, comps)
+    if kind == "conv" and ins.opcode == "custom-call":
+        return _conv_flops(ins, comp)
+    return 0.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     """A GPU's roofline: each kernel takes the longer of its gemm (or convolution) FLOPs at
@@ -463,18 +472,18 @@ class Roofline:
         return max(kernel.flops / peak, kernel.bytes / self.bandwidth) + self.launch
 
 
-# Measured, not nominal: bf16 gemms at 629-723 TFLOP/s on an H200 at 8192^3 (RESULTS.md's GPU
-# section), FP8 twice that, TF32 half; 2.8 TB/s of the H100 SXM's 3.35 nominal. With these the
-# model reproduced the H200's measured ratios between steps within about 3 points. A model for
-# comparing variants of one step, not a prediction of absolute times (-20%..+8% on the H200).
-# The B200's: its nominal dense peaks (2.25 PFLOP/s bf16, 4.5 FP8, 1.1 TF32) and 8 TB/s at the
-# fractions the H200 measured of its own (0.71 of the bf16 peak, 0.84 of the bandwidth): a
-# model no B200 measurement has checked yet.
 ROOFLINES = {
+    # Measured, not nominal: bf16 gemms at 629-723 TFLOP/s on an H200 at 8192^3 (RESULTS.md's
+    # GPU section), FP8 twice that, TF32 half; 2.8 TB/s of the H100 SXM's 3.35 nominal. With
+    # these the model reproduced the H200's measured ratios between steps within about 3
+    # points. For comparing variants of one step, not a clock (-20%..+8% on the H200).
     "h100": Roofline(700e12, 1400e12, 350e12, 2.8e12, 2.5e-6),
     # The H200's own measurements (RESULTS.md's GPU section): bf16 gemms 663.5 TFLOP/s at
     # 8192^3, TF32 366.7, a device copy 3.67 TB/s; FP8 taken as twice bf16 (not measured).
     "h200": Roofline(663.5e12, 1327e12, 366.7e12, 3.67e12, 2.5e-6),
+    # The B200's nominal dense peaks (2.25 PFLOP/s bf16, 4.5 FP8, 1.1 TF32) and 8 TB/s at the
+    # fractions the H200 measured of its own (0.71 of the bf16 peak, 0.84 of the bandwidth):
+    # no B200 measurement has checked it yet.
     "b200": Roofline(1600e12, 3200e12, 800e12, 6.7e12, 2.5e-6),
 }
 
@@ -535,14 +544,8 @@ def read_kernels(text: str) -> list[Kernel]:
                 _bytes(comp.shapes.get(o, "")) for o in ins.operands
             )
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
-            flops = (
-                _gemm_flops(ins, comp, comps)
-                if kind == "gemm"
-                else _conv_flops(ins, comp)
-                if kind == "conv" and ins.opcode == "custom-call"
-                else 0.0
-            )
             name = op.group(1) if op else ""
+            flops = _flops(kind, ins, comp, comps)
             found.append(Kernel(ins.name, kind, moved, types, via, name, flops))
 
     walk(entry, "", 0)
