@@ -116,12 +116,7 @@ class _Resolver:
                 f"class key {key.__name__} matches no module (the classes are {', '.join(classes)})"
             )
         paths = sorted(p for p in self.seen if p)
-        lower = {p.lower(): p for p in paths}
-        close = [lower[m] for m in difflib.get_close_matches(key.lower(), list(lower), n=3)]
         names = {c.__name__ for c in self.seen.values()}
-        hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
-        if key in names:
-            hint += f"; {key!r} is a class name: use the class itself, {{{key}: ...}}"
         if not paths:
             top = next(iter(names), "the module")
             return (
@@ -129,6 +124,11 @@ class _Resolver:
                 f"key can match; to rule the module itself, use its class, {{{top}: ...}}, or "
                 "wrap it with that policy"
             )
+        lower = {p.lower(): p for p in paths}
+        close = [lower[m] for m in difflib.get_close_matches(key.lower(), list(lower), n=3)]
+        hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
+        if key in names:
+            hint += f"; {key!r} is a class name: use the class itself, {{{key}: ...}}"
         shown = ", ".join(map(repr, paths[:12])) + (", ..." if len(paths) > 12 else "")
         return f"path key {key!r} matches no module path (the paths are {shown}){hint}"
 

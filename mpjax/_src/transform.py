@@ -595,9 +595,15 @@ def _describe_value(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
+def _optimizer_state(state: Any) -> Any:
+    """The optimizer state in `state`: an optimizer state, a TrainState or an
+    ``nnx.Optimizer`` (its ``opt_state``)."""
+    return state.opt_state if _is_nnx(state, "Optimizer") else state
+
+
 def loss_scale_of(state: Any) -> ls_lib.LossScale:
     """The loss scale in `state`: an optimizer state, a TrainState or an ``nnx.Optimizer``."""
-    return get_loss_scale(state.opt_state if _is_nnx(state, "Optimizer") else state)
+    return get_loss_scale(_optimizer_state(state))
 
 
 def _is_nnx(x: Any, kind: str) -> bool:
@@ -654,7 +660,7 @@ def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
         )
 
     def wrapped(state: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        if not find_states(state.opt_state if _is_nnx(state, "Optimizer") else state):
+        if not find_states(_optimizer_state(state)):
             raise ValueError(
                 f"mpjax.scaled_value_and_grad(loss_fn)(state, params, *batch): the first "
                 f"argument, a {type(state).__name__}, holds no mpjax.loss_scale() state. It is "
