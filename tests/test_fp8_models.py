@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import rel_err
 from flax import nnx
 
 import mpjax
@@ -288,10 +289,6 @@ def test_fp8_trains_the_model_as_float32_does(model, level, recipe, batched_dots
     assert len(report.fp8_matmuls) >= sites  # at least each site's forward dot
 
 
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def test_wrapped_attention_under_fp8_is_as_accurate_as_the_function_given_to_fp8():
     """The wrapped model (its base policy applied by the wrapper, FP8 around it) and the same
     float32 model given to mpjax.fp8 as a function are equally close to float32 (measured:
@@ -303,7 +300,7 @@ def test_wrapped_attention_under_fp8_is_as_accurate_as_the_function_given_to_fp8
     plain = jax.jit(mpjax.fp8.scaled_value_and_grad(ref, pol))(state, params, *batch)
     exact = _flat(jax.jit(jax.grad(ref))(params, *batch))
     np.testing.assert_allclose(float(wrapped[0]), float(plain[0]), rtol=1e-3)
-    assert _rel(_flat(wrapped[1]), exact) < 1.05 * _rel(_flat(plain[1]), exact)
+    assert rel_err(_flat(wrapped[1]), exact) < 1.05 * rel_err(_flat(plain[1]), exact)
 
 
 def test_autocast_of_an_autocast_program_differentiates():
@@ -316,4 +313,4 @@ def test_autocast_of_an_autocast_program_differentiates():
     exact, once = grad(loss), grad(mpjax.autocast(loss, pol))
     twice = grad(mpjax.autocast(mpjax.autocast(loss, pol), pol))
     assert np.all(np.isfinite(twice))
-    assert _rel(twice, exact) < 1.05 * _rel(once, exact)
+    assert rel_err(twice, exact) < 1.05 * rel_err(once, exact)
