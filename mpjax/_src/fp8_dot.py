@@ -209,21 +209,24 @@ def _current_bwd(dims: Any, pref: Any, margin: int, res: Any, g: Any) -> Any:
 fp8_dot_current.defvjp(_current_fwd, _current_bwd)
 
 
-def _row_dot(a: Any, a_axis: int, b: Any, b_axis: int, qa: Any, qb: Any, margin: int, out: Any):
-    """``a @ b`` over [B, ., .] operands, contracting a's `a_axis` with b's `b_axis`, each
-    quantized per row along its contracted axis; the scales multiply the result. Returns the
-    result and each operand's amax (the max of its rows', so each operand is read once)."""
-    row_a = jnp.max(jnp.abs(a), axis=a_axis, keepdims=True).astype(jnp.float32)
-    row_b = jnp.max(jnp.abs(b), axis=b_axis, keepdims=True).astype(jnp.float32)
-    sa, sb = _current_scale(row_a, qa, margin), _current_scale(row_b, qb, margin)
+def _rows_quantized(x: Any, axis: int, q_dtype: Any, margin: int) -> Any:
+    """`x` in `q_dtype`, each row along `axis` (the axis a gemm contracts) with its own
+    current scale; and the scales (keepdims) and x's amax (the max of its rows')."""
+    rows = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
+    scale = _current_scale(rows, q_dtype, margin)
+    return quantize(x, q_dtype, scale), scale, jnp.max(rows)
+
+
+def _row_gemm(qa: Any, sa: Any, a_axis: int, qb: Any, sb: Any, b_axis: int, out: Any) -> Any:
+    """``qa @ qb`` over [B, ., .] float8 operands, contracting qa's `a_axis` with qb's
+    `b_axis`, each quantized per row along it with scales `sa`, `sb`; the scales multiply
+    the result (its axes: qa's kept axis, then qb's)."""
     acc = lax.dot_general(
-        quantize(a, qa, sa), quantize(b, qb, sb), (((a_axis,), (b_axis,)), ((0,), (0,))),
-        preferred_element_type=gemm_dtype(out),
-    )  # fmt: skip
-    # The result's axes: a's kept axis, then b's. sa is [B, M, 1] or [B, 1, M]; sb likewise.
-    inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))
+        qa, qb, (((a_axis,), (b_axis,)), ((0,), (0,))), preferred_element_type=gemm_dtype(out)
+    )
+    inv_a = jnp.reshape(1.0 / sa, (sa.shape[0], -1, 1))  # sa is [B, M, 1] or [B, 1, M]
     inv_b = jnp.reshape(1.0 / sb, (sb.shape[0], 1, -1))
-    return _descaled(acc, inv_a * inv_b, out), jnp.max(row_a), jnp.max(row_b)
+    return _descaled(acc, inv_a * inv_b, out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -233,15 +236,31 @@ def _fp8_bmm_rows(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
 
 
 def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
+    # Each operand is contracted along one axis forward and along the other backward, so
+    # it is quantized twice; the backward copies are the residuals. The barrier writes the
+    # weight's two copies in one pass before its forward gemm. Left to XLA, the backward
+    # copy is made where it is used, in a pass fused into the optimizer's update of the
+    # same weight, which then runs mid-backward and holds its outputs from there (the step
+    # keeps 1.7x O2's temp memory), or, where the step donates its buffers, in a pass of
+    # its own (0.6 ms more in the H100 program of benchmarks/fp8_program.py).
     del sink
-    out, amax_a, amax_b = _row_dot(a, 2, b, 1, E4M3, E4M3, margin, pref)
-    return out, (a, b, amax_a, amax_b)
+    qa, sa, amax_a = _rows_quantized(a, 2, E4M3, margin)
+    qb, sb, amax_b = _rows_quantized(b, 1, E4M3, margin)
+    a_by_m = _rows_quantized(a, 1, E4M3, margin)[:2]  # for db: contracted over M
+    b_by_n = _rows_quantized(b, 2, E4M3, margin)[:2]  # for da: contracted over N
+    # The barrier keeps XLA from moving the weight's backward copy to where it is used.
+    qb, b_by_n = lax.optimization_barrier((qb, b_by_n))
+    out = _row_gemm(qa, sa, 2, qb, sb, 1, pref)
+    like = (jnp.zeros([], a.dtype), jnp.zeros([], b.dtype))  # the cotangents' dtypes
+    return out, (a_by_m, b_by_n, amax_a, amax_b, *like)
 
 
 def _rows_bwd(pref: Any, margin: int, res: Any, g: Any) -> Any:
-    a, b, amax_a, amax_b = res
-    da, amax_g, _ = _row_dot(g, 2, b, 2, E5M2, E4M3, margin, a.dtype)  # [B, M, K]: rows
-    db, _, _ = _row_dot(a, 1, g, 1, E4M3, E5M2, margin, b.dtype)  # [B, K, N]: columns
+    (qa, sa), (qb, sb), amax_a, amax_b, a_like, b_like = res
+    qg, sg, amax_g = _rows_quantized(g, 2, E5M2, margin)
+    da = _row_gemm(qg, sg, 2, qb, sb, 2, a_like.dtype)  # [B, M, K]: rows
+    qg, sg, _ = _rows_quantized(g, 1, E5M2, margin)
+    db = _row_gemm(qa, sa, 1, qg, sg, 1, b_like.dtype)  # [B, K, N]: columns
     return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 
