@@ -6,6 +6,8 @@ HLO: kernels by kind, bytes they move, gemm dtypes and compiled temp memory.
     python benchmarks/gpu_program.py                          # every model, small sizes
     python benchmarks/gpu_program.py --model transformer --size gpu
     python benchmarks/gpu_program.py --json out.json
+    pip install "jax[tpu]==$JAX"                                  # libtpu, for TPU targets
+    python benchmarks/gpu_program.py --target tpu-v5e           # a TPU's program (bfloat16)
 
 Steps (the memory benchmark's, ``memory.py``): the hand-written half steps a Flax user
 writes (``.astype`` and ``dtype=``), mpjax O1 and O2 through ``mpjax.flax.wrap``, each with
@@ -50,12 +52,17 @@ memory.SIZES["transformer"]["gpu"] = models.SIZES["transformer"]["gpu"]
 memory.SIZES["resnet"]["gpu"] = models.SIZES["resnet"]["gpu"]
 
 
-def variants() -> list[tuple[str, memory.Variant]]:
+def halves(target: str) -> tuple[str, ...]:
+    """The halves a target runs: a TPU's matrix units take bfloat16, not float16."""
+    return ("bfloat16",) if target.lower().startswith("tpu") else HALVES
+
+
+def variants(target: str = "h100") -> list[tuple[str, memory.Variant]]:
     """(name, variant): per half, the two hand-written steps, the ``dtype=`` one with Flax's
     DynamicScale (the loss-scaled step a Flax user writes), O1 and O2 with plain Adam, and O2
     with loss_scale(adam)."""
     out = []
-    for h in HALVES:
+    for h in halves(target):
         half = jnp.dtype(h)
         out.append((f"hand-written {h} (.astype)", memory.Variant("astype", half)))
         out.append((f"hand-written {h} (dtype=)", memory.Variant("dtype", half)))
@@ -83,10 +90,10 @@ def abstract_step(module: Any, variant: memory.Variant, x: Any, y: Any) -> tuple
     return built["step"], args
 
 
-def count(step: Any, args: Any) -> dict[str, Any]:
+def count(step: Any, args: Any, target: str = "h100") -> dict[str, Any]:
     start = time.perf_counter()
-    report = mpjax.audit(step, *args, target="h100")
-    program = report.gpu
+    report = mpjax.audit(step, *args, target=target)
+    program = report.gpu or report.tpu
     assert program is not None
     row = program.to_dict()
     row["compile_seconds"] = round(time.perf_counter() - start, 1)
@@ -94,24 +101,24 @@ def count(step: Any, args: Any) -> dict[str, Any]:
     return row
 
 
-def measure(kind: str, size: str) -> dict[str, Any]:
+def measure(kind: str, size: str, target: str = "h100") -> dict[str, Any]:
     module, x, y = memory.build(kind, size)
     rows = {}
-    for name, variant in variants():
+    for name, variant in variants(target):
         step, args = abstract_step(module, variant, x, y)
-        rows[name] = count(step, args)
+        rows[name] = count(step, args, target)
         print(
             f"  {kind} {size} {name}: {rows[name]['kernels']} kernels, "
             f"{rows[name]['bytes_moved'] / MIB:.1f} MiB ({rows[name]['compile_seconds']} s)",
             file=sys.stderr,
         )
-    return {"model": kind, "size": size, "rows": rows}
+    return {"model": kind, "size": size, "target": target, "rows": rows}
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target with its measured ratio and whether it is met."""
     rows, out = result["rows"], []
-    for h in HALVES:
+    for h in halves(result.get("target", "h100")):
         base_name, _ = memory.hand_written(rows, h, "bytes_moved")  # moves fewer bytes
         base = rows[base_name]
         for level, limit in (("O2", 1.00), ("O1", 1.05)):
@@ -121,6 +128,9 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         o2 = rows[f"mpjax O2 {h}"]
         ratio = o2["kernels"] / base["kernels"]
         out.append(_target(f"O2 {h} kernels <= 1.10x {base_name}", ratio, 1.10))
+        if base["temp_bytes"] > 0:
+            ratio = rows[f"mpjax O2 {h}"]["temp_bytes"] / base["temp_bytes"]
+            out.append(_target(f"O2 {h} temp <= 1.00x {base_name}", ratio, 1.00))
         scaled = rows[f"mpjax O2 {h} + loss_scale"]
         extra = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
         out.append(_target(f"loss_scale {h}: extra bytes <= 1 read of the gradients", extra, 1.0))
@@ -139,8 +149,11 @@ def _target(name: str, value: float, limit: float) -> dict[str, Any]:
 def markdown(result: dict[str, Any]) -> str:
     rows = result["rows"]
     head = ["variant", "kernels", "MiB moved", *KINDS, "other", "gemm dtypes", "temp MiB"]
+    head.append("modeled ms")
+    target = result.get("target", "h100")
+    what = "cuBLAS gemms" if not target.startswith("tpu") else "kernels are its fusions"
     lines = [
-        f"#### {result['model']} ({result['size']}), H100 program, cuBLAS gemms",
+        f"#### {result['model']} ({result['size']}), {target} program, {what}",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -157,7 +170,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {r['kernels']} | {r['bytes_moved'] / MIB:.1f} | "
             + " | ".join(cells)
-            + f" | {dtypes} | {r['temp_bytes'] / MIB:.1f} |"
+            + f" | {dtypes} | {r['temp_bytes'] / MIB:.1f} | {r['modeled_seconds'] * 1e3:.3f} |"
         )
     lines += [
         "",
@@ -175,11 +188,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(memory.SIZES), action="append")
     parser.add_argument("--size", default="small")
+    parser.add_argument("--target", default="h100", help="h100, h200, b200, tpu-v5e, ...")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     results = []
     for kind in args.model or ["transformer", "encdec", "resnet", "lstm"]:
-        result = measure(kind, args.size)
+        result = measure(kind, args.size, args.target)
         result["targets"] = targets(result)
         results.append(result)
         print(markdown(result) + "\n", flush=True)

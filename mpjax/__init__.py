@@ -35,6 +35,7 @@ from mpjax._src.policy import (
 )
 from mpjax._src.quantized_state import QuantizedMoment, QuantizedMomentsState, quantize_moments
 from mpjax._src.regions import full_precision, half_precision
+from mpjax._src.tpu_program import mesh as target_mesh
 from mpjax._src.transform import (
     HalfAdamWarning,
     InexactSkipWarning,
@@ -111,4 +112,5 @@ __all__ = (  # sorted
     "select_tree",
     "StaticLossScale",
     "stochastic_round",
+    "target_mesh",
 )

@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from mpjax._src import gpu_program, tpu_program
 from mpjax._src.audit_hlo import compile_text, parse_compiled, partitioned_collectives
 from mpjax._src.audit_report import AuditReport
 from mpjax._src.audit_stablehlo import read_module
@@ -66,7 +67,11 @@ def audit(
     included (JAX's CUDA plugin must be installed; no GPU or NVIDIA library is needed), and
     ``report.gpu`` lists its kernels by kind, the bytes they move, its gemms' dtypes (half,
     float32, FP8), its temp memory, the narrowing casts XLA folded away and the step's
-    modeled time (a roofline over its kernels, ``report.gpu.modeled_seconds()``).
+    modeled time (a roofline over its kernels, ``report.gpu.modeled_seconds()``). With a TPU
+    target (``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``, or a slice as ``"tpu-v5e:2x4"``,
+    libtpu installed: ``pip install "jax[tpu]==<your jax>"``), ``report.tpu`` shows the TPU's
+    program the same way: its fusions, HBM bytes, matmul dtypes, temp memory and modeled
+    time; arguments sharded over :func:`mpjax.target_mesh` show a sliced step's collectives.
 
     It takes anything :func:`mpjax.autocast` accepts: `fn` plain, jitted (``jax.jit``,
     ``eqx.filter_jit``) or autocast, its arguments pytrees whose array leaves (or
@@ -83,9 +88,10 @@ def audit(
       fn: the function, e.g. a jitted train step.
       *args: its arguments: pytrees of arrays or ``jax.ShapeDtypeStruct``, and static leaves.
       compile: also compile and read the optimized HLO (default True).
-      target: a GPU to compile for instead of this machine's backend: "h100", "h200",
-        "b200" (in any case) or a GpuTargetConfig text proto. The arguments' arrays stand for
-        arrays on that GPU.
+      target: an accelerator to compile for instead of this machine's backend: "h100",
+        "h200", "b200" (in any case) or a GpuTargetConfig text proto; "tpu-v5e", "tpu-v5p",
+        "tpu-v6e" or a slice ("tpu-v6e:4x4"). The arguments' arrays stand for arrays there
+        (replicated, unless they carry a sharding over :func:`mpjax.target_mesh`).
       gemm: with `target`: "cublas" (default; every matmul a cuBLAS call, as no autotuning
         runs without the GPU) or "triton" (XLA's default path, untuned tiles).
       **kwargs: its keyword arguments.
@@ -109,18 +115,24 @@ def audit(
     """
     if not callable(fn):
         raise TypeError(f"audit needs a function, got {type(fn).__name__}.")
-    program = None
-    if target is not None:  # the arguments stand for arrays on that GPU
-        from mpjax._src import gpu_program
-
+    program = tpu = None
+    on_tpu = target is not None and tpu_program.is_tpu(target)
+    if target is not None and on_tpu:  # the arguments stand for arrays on that TPU's chips
+        args, kwargs = tpu_program.on_target((args, kwargs), target)
+    elif target is not None:  # on that GPU
         args, kwargs = gpu_program.on_target((args, kwargs), target)
     lowered = _lower(fn, args, kwargs)
     found = read_module(lowered.compiler_ir("stablehlo"))
     compiled = None
     if target is not None:
-        gpu = gpu_program.compile_lowered(lowered, gemm)
-        text = gpu.as_text()
-        program = gpu_program.read_program(lowered, gpu, text, target, gemm)
+        if on_tpu:
+            binary = lowered.compile()
+            text = binary.as_text()
+            tpu = tpu_program.read_program(lowered, binary, text, target)
+        else:
+            binary = gpu_program.compile_lowered(lowered, gemm)
+            text = binary.as_text()
+            program = gpu_program.read_program(lowered, binary, text, target, gemm)
         compiled_matmuls, inserted = parse_compiled(text)
         compiled = tuple(compiled_matmuls)
         found.collectives += inserted
@@ -142,7 +154,8 @@ def audit(
         untouched=tuple(found.untouched),
         untouched_why=tuple(found.untouched_why),
         compiled_matmuls=compiled,
-        backend="gpu" if target is not None else jax.default_backend(),
+        backend=("tpu" if on_tpu else "gpu") if target is not None else jax.default_backend(),
         collectives=tuple(found.collectives),
         gpu=program,
+        tpu=tpu,
     )

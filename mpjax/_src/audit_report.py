@@ -11,6 +11,7 @@ import numpy as np
 
 from mpjax._src.first_order import UNTOUCHED_SCOPE
 from mpjax._src.gpu_program import GpuProgram
+from mpjax._src.tpu_program import TpuProgram
 
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -96,6 +97,8 @@ class AuditReport:
       untouched_why: why autocast left each of ``untouched`` in its traced dtype.
       gpu: with ``audit(..., target=)``, the program XLA compiled for that GPU: kernels by
         kind, bytes moved, gemm dtypes, temp memory, folded casts (a ``GpuProgram``).
+      tpu: with a TPU target (``target="tpu-v5e"``), the program XLA compiled for it: its
+        fusions, HBM bytes, matmul dtypes, temp memory, collectives (a ``TpuProgram``).
 
     Example:
       >>> import jax.numpy as jnp, mpjax
@@ -113,6 +116,7 @@ class AuditReport:
     collectives: tuple[Collective, ...] = ()
     untouched_why: tuple[str, ...] = ()
     gpu: GpuProgram | None = None
+    tpu: TpuProgram | None = None
 
     def collective_bytes(self) -> dict[str, int]:
         """Bytes per device that the partitioned program's collectives move, by dtype.
@@ -261,6 +265,7 @@ class AuditReport:
             if self.compiled_matmuls is None
             else [{"kind": k, "operand_dtypes": list(d)} for k, d in self.compiled_matmuls],
             "gpu": None if self.gpu is None else self.gpu.to_dict(),
+            "tpu": None if self.tpu is None else self.tpu.to_dict(),
         }
 
     def assert_matmuls_in(self, dtype: Any) -> None:
@@ -392,6 +397,8 @@ class AuditReport:
                     f"  {len(lost)} FP8 matmul(s) run as half gemms here (float8 lost to "
                     "XLA's passes): " + ", ".join(dict.fromkeys(lost))
                 )
+        if self.tpu is not None:
+            rows += ["", str(self.tpu)]
         return "\n".join(rows)
 
 

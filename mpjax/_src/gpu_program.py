@@ -196,6 +196,8 @@ _FREE = {
     "after-all", "add-dependency", "domain", "partition-id", "replica-id",
 }  # fmt: skip
 _CONTROL = {"call", "while", "conditional", "async-start"}
+# A TPU's DMAs between its memory (HBM) and a core's: they move what they write on chip.
+_DMA = {"copy-start", "slice-start", "dynamic-slice-start"}
 _COLLECTIVES = {
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
     "collective-broadcast", "ragged-all-to-all",
@@ -214,11 +216,21 @@ def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
 
 
-def _bytes(shape: str, library: bool = False) -> int:
-    arrays = _arrays(shape)
+# An array with its layout: a TPU layout names the memory space, S(1) being the core's own
+# memory (VMEM), whose traffic is not the HBM's.
+_PLACED = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+
+
+def _bytes(shape: str, library: bool = False, on_chip: bool = False) -> int:
+    """The bytes of `shape`'s arrays in device memory (HBM), or with `on_chip` those in a
+    TPU core's own memory (the destinations of its DMAs)."""
+    arrays = [
+        (t, tuple(int(d) for d in dims.split(",") if d), "S(1)" in layout)
+        for t, dims, layout in _PLACED.findall(shape)
+    ]
     if library and shape.startswith("(") and len(arrays) > 1 and arrays[-1][0] == "s8":
         arrays = arrays[:-1]  # a cuBLAS or cuDNN call's scratch workspace
-    return sum(math.prod(d) * _element_bits(t) // 8 for t, d in arrays)
+    return sum(math.prod(d) * _element_bits(t) // 8 for t, d, vmem in arrays if vmem == on_chip)
 
 
 def _close(s: str, i: int) -> int:
@@ -308,10 +320,10 @@ def _called(attrs: str) -> list[str]:
     ]
 
 
-def _find(comps: dict[str, _Computation], names: list[str], opcode: str) -> _Instr | None:
-    """The first `opcode` instruction in computations `names` or those they call."""
+def _find_all(comps: dict[str, _Computation], names: list[str], opcode: str) -> list[_Instr]:
+    """The `opcode` instructions in computations `names` and those they call."""
     seen: set[str] = set()
-    todo = list(names)
+    todo, found = list(names), []
     while todo:
         n = todo.pop()
         if n in seen or n not in comps:
@@ -319,9 +331,14 @@ def _find(comps: dict[str, _Computation], names: list[str], opcode: str) -> _Ins
         seen.add(n)
         for ins in comps[n].instrs:
             if ins.opcode == opcode:
-                return ins
+                found.append(ins)
             todo += _called(ins.attrs)
-    return None
+    return found
+
+
+def _find(comps: dict[str, _Computation], names: list[str], opcode: str) -> _Instr | None:
+    """The first `opcode` instruction in computations `names` or those they call."""
+    return next(iter(_find_all(comps, names, opcode)), None)
 
 
 def _dtype_of(comps: dict[str, _Computation], names: list[str], operand: str) -> str:
@@ -359,6 +376,11 @@ def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, 
             if _find(comps, called, "convolution") is not None:
                 return "conv", ()
             return ("softmax" if name == "__triton" else "custom-fusion"), ()
+        if kind == "kOutput":  # a TPU matmul (a convolution or dot) and what fuses into it
+            mm = _find(comps, called, "convolution") or _find(comps, called, "dot")
+            if mm is not None:
+                scope = [c for c in comps if mm.name in comps[c].shapes]
+                return "gemm", tuple(_dtype_of(comps, scope, o) for o in mm.operands[:2])
         if _find(comps, called, "reduce") is not None or _find(comps, called, "reduce-window"):
             return "reduction", ()
         if kind == "kInput" and _find(comps, called, "transpose") is not None:
@@ -370,7 +392,7 @@ def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, 
         return "conv", ()
     if ins.opcode in ("reduce", "reduce-window"):
         return "reduction", ()
-    if ins.opcode in ("copy", "transpose", "copy-start"):
+    if ins.opcode in ("copy", "transpose") or ins.opcode in _DMA:
         return "copy/transpose", ()
     base = ins.opcode.removesuffix("-start")
     if base in _COLLECTIVES:
@@ -432,8 +454,62 @@ def _conv_flops(ins: _Instr, comp: _Computation) -> float:
     return 2.0 * math.prod(out) * size * lhs[f] / (int(groups.group(1)) if groups else 1)
 
 
+def _taps(out: int, size: int, stride: int, pad: int, lhs_dil: int, rhs_dil: int, n: int) -> int:
+    """Over one spatial dimension of a convolution, the (output position, window tap) pairs
+    that meet an input element (not padding, not a hole of lhs dilation)."""
+    span = (n - 1) * lhs_dil
+    return sum(
+        1
+        for p in range(out)
+        for k in range(size)
+        if 0 <= (x := p * stride + k * rhs_dil - pad) <= span and x % lhs_dil == 0
+    )
+
+
+def _window(attrs: str, key: str, dims: int, default: int) -> list[int]:
+    found = re.search(rf"\b{key}=([\dx_]+)", attrs)
+    if not found:
+        return [default] * dims
+    return [int(v.split("_")[0]) for v in found.group(1).split("x")]
+
+
+def _fused_conv_flops(conv: _Instr, comps: dict[str, _Computation]) -> float:
+    """A convolution op's FLOPs, counting only products with input elements: a TPU runs its
+    batched matmuls as convolutions whose window walks a dilated input, mostly holes."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", conv.attrs)
+    if not labels or len(conv.operands) < 2:
+        return 0.0
+    scope = next((c for c in comps.values() if conv.operands[0] in c.shapes), None)
+    if scope is None:
+        return 0.0
+    lhs_l, rhs_l, out_l = labels.groups()
+    lhs = (_arrays(scope.shapes[conv.operands[0]]) or [("", ())])[0][1]
+    rhs = (_arrays(scope.shapes.get(conv.operands[1], "")) or [("", ())])[0][1]
+    out = (_arrays(conv.shape) or [("", ())])[0][1]
+    if len(lhs) != len(lhs_l) or len(rhs) != len(rhs_l) or len(out) != len(out_l):
+        return 0.0
+    spatial = sorted(c for c in out_l if c.isdigit())
+    size = _window(conv.attrs, "size", len(spatial), 1)
+    stride = _window(conv.attrs, "stride", len(spatial), 1)
+    lhs_dil = _window(conv.attrs, "lhs_dilate", len(spatial), 1)
+    rhs_dil = _window(conv.attrs, "rhs_dilate", len(spatial), 1)
+    pads = re.search(r"\bpad=([\d_x-]+)", conv.attrs)
+    pad = [int(v.split("_")[0]) for v in pads.group(1).split("x")] if pads else [0] * len(spatial)
+    pairs = math.prod(
+        _taps(out[out_l.index(d)], size[i], stride[i], pad[i], lhs_dil[i], rhs_dil[i],
+              lhs[lhs_l.index(d)])
+        for i, d in enumerate(spatial)
+    )  # fmt: skip
+    return 2.0 * pairs * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
+
+
 def _flops(kind: str, ins: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> float:
     """A kernel's gemm or cuDNN convolution FLOPs; 0 for any other kernel."""
+    if kind == "gemm" and ins.opcode == "fusion" and "kind=kOutput" in ins.attrs:
+        # a TPU fusion: its matmuls, a recomputed forward one included
+        convs = _find_all(comps, _called(ins.attrs), "convolution")
+        if convs:
+            return sum(_fused_conv_flops(c, comps) for c in convs)
     if kind == "gemm":
         return _gemm_flops(ins, comp, comps)
     if kind == "conv" and ins.opcode == "custom-call":
@@ -540,9 +616,18 @@ def read_kernels(text: str) -> list[Kernel]:
                     (_arrays(comp.shapes.get(o, "")) or [("?", ())])[0][0] for o in ins.operands[:2]
                 )
             library = ins.opcode == "custom-call"
-            moved = _bytes(ins.shape, library) + sum(
-                _bytes(comp.shapes.get(o, "")) for o in ins.operands
-            )
+            if library and re.search(r'custom_call_target="\w*Bitcast"', ins.attrs):
+                continue  # a TPU's concatenation in place: no data moves
+            if ins.opcode in _DMA:
+                moved = _bytes(ins.shape, on_chip=True)
+            else:
+                # a collective's bytes cross the interconnect from either memory
+                both = (False, True) if kind == "collective" else (False,)
+                moved = sum(
+                    _bytes(ins.shape, library, chip)
+                    + sum(_bytes(comp.shapes.get(o, ""), on_chip=chip) for o in ins.operands)
+                    for chip in both
+                )
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
             name = op.group(1) if op else ""
             flops = _flops(kind, ins, comp, comps)

@@ -1,0 +1,149 @@
+"""The TPU program read on any machine (mpjax/_src/tpu_program.py): targets by name, the
+optimized TPU HLO's fusions, HBM bytes and matmul FLOPs. The compiles need libtpu (CI
+installs it for the slow set on the newest JAX); the rest runs everywhere."""
+
+# ruff: noqa: E501 (the HLO below is as libtpu prints it, one instruction a line)
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mpjax
+from mpjax._src import gpu_program, tpu_program
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
+
+# Optimized TPU HLO as libtpu prints it (cut down from a v5e compile of attention's step): an
+# output fusion around a batched matmul that XLA runs as a convolution over a dilated input,
+# a DMA of a weight into a core's memory (S(1)), an in-place concatenation, a copy to HBM.
+_TPU_HLO = """
+HloModule jit_f, is_scheduled=true
+
+%fused_computation.28 (param_0.1: bf16[4,256,8,128], param_1.1: bf16[4,256,8,128]) -> bf16[4,8,256,256] {
+  %param_0.1 = bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)S(1)} parameter(0)
+  %param_1.1 = bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  ROOT %convolution.1 = bf16[4,8,256,256]{2,3,1,0:T(8,128)(2,1)} convolution(%param_1.1, %param_0.1), window={size=4x8 stride=3x7 lhs_dilate=4x8}, dim_labels=0b1f_0o1i->01bf, metadata={op_name="jit(f)/bqhd,bkhd->bhqk/dot_general"}
+}
+
+ENTRY %main.5 (q.1: bf16[4,256,8,128], k.1: bf16[4,256,8,128]) -> bf16[4,8,256,256] {
+  %k.1 = bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %copy-start = (bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)S(1)}, bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%k.1), cross_program_prefetch_index=0
+  %q.1 = bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)} parameter(0)
+  %copy-done = bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+  %custom-call.1 = bf16[4,256,8,128]{3,2,1,0:T(8,128)(2,1)S(1)} custom-call(%copy-done), custom_call_target="ConcatBitcast"
+  ROOT %fusion.23 = bf16[4,8,256,256]{2,3,1,0:T(8,128)(2,1)} fusion(%custom-call.1, %q.1), kind=kOutput, calls=%fused_computation.28, metadata={op_name="jit(f)/bqhd,bkhd->bhqk/dot_general"}
+}
+"""
+
+
+def test_tpu_hlo_reads_as_fusions_with_hbm_bytes_and_matmul_flops():
+    """The output fusion is the matmul, in bfloat16, with the FLOPs of the einsum it computes
+    (2 * 4 * 8 * 256 * 256 * 128: the window's taps on the dilated input's holes count for
+    nothing); its bytes are HBM's (q read, the scores written; k is read from the core's
+    memory, where the DMA put it: the DMA counts it once); the in-place concatenation is no
+    kernel."""
+    kernels = gpu_program.read_kernels(_TPU_HLO)
+    assert [(k.kind, k.name) for k in kernels] == [
+        ("copy/transpose", "copy-start"),
+        ("gemm", "fusion.23"),
+    ]
+    dma, mm = kernels
+    qkv = 4 * 256 * 8 * 128 * 2
+    assert dma.bytes == qkv
+    assert mm.bytes == qkv + 4 * 8 * 256 * 256 * 2
+    assert mm.gemm_dtypes == ("bf16", "bf16")
+    assert mm.flops == 2 * 4 * 8 * 256 * 256 * 128
+
+
+def test_window_taps_count_only_input_elements():
+    # a dense window over a padded input: interior positions see 3 taps, the edges 2
+    assert gpu_program._taps(4, 3, 1, 1, 1, 1, 4) == 3 * 4 - 2
+    # the batched-matmul form: window 4 over an input dilated by 4, one tap per output
+    assert gpu_program._taps(4, 4, 3, 0, 4, 1, 4) == 4
+
+
+def test_tpu_targets_by_name():
+    assert tpu_program.is_tpu("TPU-v5e") and not tpu_program.is_tpu("h100")
+    assert tpu_program.parse("tpu-v5e") == ("v5e", "v5e:2x2", False)
+    assert tpu_program.parse(" TPU-v6e:4x4") == ("v6e", "v6e:4x4", True)
+    assert tpu_program.parse("tpu-v5p:2x2x2") == ("v5p", "v5p:2x2x2", True)
+    with pytest.raises(ValueError, match=r"unknown TPU target 'tpu-v9'.*tpu-v5e, tpu-v5p"):
+        tpu_program.parse("tpu-v9")
+
+
+def test_a_tpu_target_without_libtpu_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(tpu_program, "_TOPOLOGIES", {})
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "libtpu" else real(n, *a)
+    )
+    with pytest.raises(RuntimeError, match=re.escape(f'pip install "jax[tpu]=={jax.__version__}"')):
+        mpjax.audit(lambda a: a @ a, jnp.ones((8, 8)), target="tpu-v5e")
+
+
+def _mlp_step(policy):
+    def loss(w, x):
+        return jnp.mean(jnp.square(jnp.tanh(x @ w["a"]) @ w["b"]))
+
+    def step(w, x):
+        g = jax.grad(mpjax.autocast(loss, policy))(w, x)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, w, g)
+
+    return jax.jit(step)
+
+
+@pytest.mark.slow
+@needs_libtpu
+@pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v5p", "TPU-v6e"])
+def test_the_tpu_program_of_an_o2_step_runs_its_matmuls_in_bfloat16(target):
+    """An MLP's O2 step on each chip: four bfloat16 matmuls (two forward, two for the weight
+    gradients; the first layer's input gradient is not needed) whose FLOPs are the step's,
+    HBM bytes at least the float32 weights read and written, and a modeled time by that
+    chip's roofline."""
+    w = {"a": jnp.ones((1024, 4096)), "b": jnp.ones((4096, 1024))}
+    x = jnp.ones((512, 1024))
+    report = mpjax.audit(_mlp_step(mpjax.Policy.from_level("O2", "bfloat16")), w, x, target=target)
+    program = report.tpu
+    assert report.gpu is None and report.backend == "tpu"
+    assert program.target == target.lower()
+    gemms = [k for k in program.kernels if k.kind == "gemm"]
+    assert program.gemm_dtypes() == {"bf16 x bf16": len(gemms)}
+    assert sum(k.flops for k in gemms) >= 4 * 2 * 512 * 1024 * 4096
+    assert program.bytes_moved >= 2 * 2 * 1024 * 4096 * 4
+    line = tpu_program.CHIPS[target.lower()[4:]][1]
+    assert program.modeled_seconds() == pytest.approx(sum(line.seconds(k) for k in program.kernels))
+    assert f"{target.lower()} program (1 chip)" in str(report)
+    assert report.to_dict()["tpu"]["kernels"] == len(program.kernels)
+
+
+@pytest.mark.slow
+@needs_libtpu
+def test_a_sliced_tpu_target_shows_a_sharded_steps_collectives():
+    """Data parallel over a v5e 2x4 slice (mesh from mpjax.target_mesh): the step
+    all-reduces its bfloat16 weight gradients (O2), 2 x 1024 x 4096 x 2 bytes."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = mpjax.target_mesh("tpu-v5e:2x4", (8,), ("data",))
+    rep, dp = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    w = {
+        "a": jax.ShapeDtypeStruct((1024, 4096), jnp.float32, sharding=rep),
+        "b": jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=rep),
+    }
+    x = jax.ShapeDtypeStruct((512, 1024), jnp.float32, sharding=dp)
+    o2 = mpjax.Policy.from_level("O2", "bfloat16")
+    report = mpjax.audit(_mlp_step(o2), w, x, target="tpu-v5e:2x4")
+    assert report.tpu.chips == 8 and report.tpu.target == "tpu-v5e:2x4"
+    reduced = [k for k in report.tpu.kernels if k.kind == "collective"]
+    assert reduced and all("all-reduce" in k.name for k in reduced)
+    # the all-reduce's operands and results: each gradient in bfloat16, in and out
+    assert sum(k.bytes for k in reduced) == 2 * (2 * 1024 * 4096 * 2)
+    assert any(c.kind == "all-reduce" and "bfloat16" in c.dtypes for c in report.collectives)
+    with pytest.raises(ValueError, match="libtpu has no topology 'v5e:3x3'"):
+        mpjax.target_mesh("tpu-v5e:3x3", (9,), ("data",))
