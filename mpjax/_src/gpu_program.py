@@ -628,6 +628,8 @@ def read_kernels(text: str) -> list[Kernel]:
                     + sum(_bytes(comp.shapes.get(o, ""), on_chip=chip) for o in ins.operands)
                     for chip in both
                 )
+                if ins.opcode == "fusion":
+                    moved -= _in_place_saving(ins, comps)
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
             name = op.group(1) if op else ""
             flops = _flops(kind, ins, comp, comps)
@@ -635,6 +637,31 @@ def read_kernels(text: str) -> list[Kernel]:
 
     walk(entry, "", 0)
     return found
+
+
+def _in_place_saving(ins: _Instr, comps: dict[str, _Computation]) -> int:
+    """Bytes a fusion does not move although its operands and results count them: each
+    buffer it updates in place (a dynamic-update-slice of one of its parameters, which XLA
+    gives the result's buffer) is neither read nor written whole, only the update written.
+    XLA's own cost analysis counts such a fusion the same way."""
+    called = _called(ins.attrs)
+    if not called or called[0] not in comps:
+        return 0
+    body = comps[called[0]]
+    params = {i.name for i in body.instrs if i.opcode == "parameter"}
+    saved = 0
+    for dus in body.instrs:
+        if dus.opcode != "dynamic-update-slice" or len(dus.operands) < 2:
+            continue
+        if dus.operands[0] not in params:
+            continue
+        full = _bytes(dus.shape)
+        if not full:
+            continue  # a buffer in a core's own memory: not counted anyway
+        update = _arrays(body.shapes.get(dus.operands[1], ""))
+        written = sum(math.prod(d) * _element_bits(t) // 8 for t, d in update)
+        saved += 2 * full - written
+    return max(saved, 0)
 
 
 def narrowing_pairs(text: str) -> int:
