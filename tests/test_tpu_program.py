@@ -147,3 +147,33 @@ def test_a_sliced_tpu_target_shows_a_sharded_steps_collectives():
     assert any(c.kind == "all-reduce" and "bfloat16" in c.dtypes for c in report.collectives)
     with pytest.raises(ValueError, match="libtpu has no topology 'v5e:3x3'"):
         mpjax.target_mesh("tpu-v5e:3x3", (9,), ("data",))
+
+
+_IN_PLACE = """
+HloModule jit_step
+
+%fused_update (param_0: f32[24,256,128], param_1: bf16[256,128], param_2: s32[]) -> f32[24,256,128] {
+  %param_0 = f32[24,256,128]{2,1,0} parameter(0)
+  %param_1 = bf16[256,128]{1,0} parameter(1)
+  %convert = f32[256,128]{1,0} convert(%param_1)
+  %bitcast = f32[1,256,128]{2,1,0} bitcast(%convert)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dynamic-update-slice = f32[24,256,128]{2,1,0} dynamic-update-slice(%param_0, %bitcast, %param_2, %zero, %zero)
+}
+
+ENTRY %main (stack: f32[24,256,128], g: bf16[256,128], i: s32[]) -> f32[24,256,128] {
+  %stack = f32[24,256,128]{2,1,0} parameter(0)
+  %g = bf16[256,128]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %fusion = f32[24,256,128]{2,1,0} fusion(%stack, %g, %i), kind=kLoop, calls=%fused_update
+}
+"""
+
+
+def test_a_fusion_that_updates_a_buffer_in_place_moves_the_update_only():
+    """A dynamic-update-slice of a fusion's parameter is done in place (XLA gives the result
+    the operand's buffer): the fusion reads its other operands and writes the slice, not the
+    whole 24-slice buffer twice."""
+    (kernel,) = gpu_program.read_kernels(_IN_PLACE)
+    assert kernel.bytes == 256 * 128 * 2 + 4 + 256 * 128 * 4
