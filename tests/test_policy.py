@@ -433,11 +433,12 @@ def test_reduce_dtype_defaults_to_compute_and_round_trips_through_the_grammar():
     assert o2.gather_dtype == jnp.float16
     wide = mpjax.Policy.from_level("O2", "float16", reduce_dtype="f32")
     assert wide.reduce_dtype == jnp.float32 and wide.gradient_dtype == jnp.float32
-    assert str(wide) == "p=full,c=f16,o=full,r=full"
-    assert mpjax.get_policy(str(wide)) == mpjax.Policy(
+    assert str(wide) == "p=full,c=f16,o=full,r=full,level=O2"
+    assert mpjax.get_policy(str(wide)) == wide
+    assert mpjax.get_policy("p=full,c=f16,o=full,r=full") == mpjax.Policy(
         jnp.float32, jnp.float16, jnp.float32, reduce_dtype=jnp.float32
     )
-    assert str(o2) == "p=full,c=f16,o=full"  # jmp's string when the key is unused
+    assert str(o2) == "p=full,c=f16,o=full,level=O2"
     assert mpjax.Policy.from_level("O0").gradient_dtype == jnp.float32
 
 
@@ -454,3 +455,23 @@ def test_reduce_dtype_defaults_to_compute_and_round_trips_through_the_grammar():
 def test_a_reduce_dtype_that_makes_no_sense_names_the_fix(level, half, reduce, words):
     with pytest.raises(ValueError, match=words):
         mpjax.Policy.from_level(level, half, reduce_dtype=reduce)
+
+
+def test_a_level_policy_and_a_jmp_policy_of_the_same_dtypes_print_differently():
+    """O2 float16 runs exp in float32 (its f32 list); jmp's grammar's policy of the same
+    dtypes casts only, and runs exp in float16: their strings differ, and each parses back
+    to itself (the level's str names it as mpjax's `level` key)."""
+    level = mpjax.Policy.from_level("O2", "float16")
+    plain = mpjax.get_policy("params=float32,compute=float16,output=float32")
+    assert str(plain) == "p=full,c=f16,o=full"  # jmp's own string
+    assert str(level) != str(plain)
+    for policy in (
+        level,
+        plain,
+        mpjax.Policy.from_level("O1", "bfloat16"),
+        mpjax.Policy.from_level("O3", "bfloat16"),
+        mpjax.Policy.from_level("O0"),
+        mpjax.Policy.from_level("O2", "bfloat16", master_weights=False),
+        mpjax.get_policy("mixed_bfloat16"),
+    ):
+        assert mpjax.get_policy(str(policy)) == policy, str(policy)

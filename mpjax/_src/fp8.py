@@ -237,7 +237,7 @@ def policy(
       >>> import mpjax.fp8
       >>> p = mpjax.fp8.policy("O2", recipe=mpjax.fp8.DelayedScaling(margin=1))
       >>> str(p.base), p.recipe.margin
-      ('p=full,c=bf16,o=full', 1)
+      ('p=full,c=bf16,o=full,level=O2', 1)
     """
     if is_float8(half_dtype):
         name = getattr(half_dtype, "__name__", str(half_dtype))

@@ -467,9 +467,11 @@ class Policy:
             for d in (self.param_dtype, self.compute_dtype, self.output_dtype)
         ]
         text = "p={},c={},o={}".format(*names)
-        if self.reduce_dtype is not None:  # mpjax's key, beyond jmp's grammar
+        if self.reduce_dtype is not None:  # mpjax's keys, beyond jmp's grammar
             reduce = np.dtype(self.reduce_dtype)
             text += ",r=" + _DTYPE_NAMES.get(reduce, (str(reduce),))[0]
+        if self.level is not None:  # a level's op lists and rules: not jmp's plain casts
+            text += f",level={self.level}"
         return text
 
     # -- levels ------------------------------------------------------------------------------
@@ -580,11 +582,11 @@ class Policy:
           >>> import mpjax
           >>> policy = mpjax.Policy.from_level("O2", "bfloat16")
           >>> str(policy), "exp" in policy.f32_ops, policy.keep_norm_fp32
-          ('p=full,c=bf16,o=full', True, True)
+          ('p=full,c=bf16,o=full,level=O2', True, True)
           >>> mpjax.Policy.from_level("auto", "float16").level   # MindSpore's name
           'O1'
           >>> str(mpjax.Policy.from_level("O2", "bfloat16", master_weights=False))
-          'p=bf16,c=bf16,o=full'
+          'p=bf16,c=bf16,o=full,level=O2'
         """
         if loss_scale is not None:
             if loss_scaling is not None:
@@ -718,7 +720,7 @@ def get_policy(policy_name: str) -> Policy:
       >>> mpjax.get_policy("auto").level
       'O1'
       >>> mpjax.get_policy("mixed_bfloat16").level, str(mpjax.get_policy("mixed_bfloat16"))
-      ('O2', 'p=full,c=bf16,o=full')
+      ('O2', 'p=full,c=bf16,o=full,level=O2')
     """
     if not isinstance(policy_name, str):
         raise TypeError(
@@ -735,6 +737,7 @@ def get_policy(policy_name: str) -> Policy:
         return Policy.from_level("O2", _KERAS_NAMES[key])
     param_dtype: np.dtype = np.dtype(np.float32)
     compute_dtype = output_dtype = reduce_dtype = None
+    level = None
     if "=" in policy_name:
         for part in policy_name.split(","):
             key, sep, value = part.partition("=")
@@ -744,6 +747,9 @@ def get_policy(policy_name: str) -> Policy:
                     f"Bad part {part.strip()!r} in {policy_name!r}: each part is key=dtype, "
                     "e.g. 'p=f32,c=bf16,o=f32'."
                 )
+            if key == "level":  # mpjax's: the level a policy's str names
+                level = value.strip()
+                continue
             dtype = parse_dtype(value)
             if key in ("p", "params"):
                 param_dtype = dtype
@@ -756,7 +762,7 @@ def get_policy(policy_name: str) -> Policy:
             else:
                 raise ValueError(
                     f"Unknown key '{key}' in '{policy_name}' should be 'params', 'compute', "
-                    "'output' (or mpjax's 'reduce')."
+                    "'output' (or mpjax's 'reduce' and 'level')."
                 )
         if compute_dtype is None:
             compute_dtype = param_dtype
@@ -767,7 +773,20 @@ def get_policy(policy_name: str) -> Policy:
             param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
         except ValueError as e:  # jmp's words first, then the level names jmp does not have
             raise ValueError(f"{e} A level name is accepted too: {_ACCEPTED}.") from None
+    if level is not None:
+        return _level_with(level, param_dtype, compute_dtype, output_dtype, reduce_dtype)
     return Policy(param_dtype, compute_dtype, output_dtype, reduce_dtype=reduce_dtype)
+
+
+def _level_with(level: str, params: Any, compute: Any, output: Any, reduce: Any) -> Policy:
+    """The policy a level's str names: ``from_level(level, compute)`` with its params, output
+    and reduce dtypes as the string gives them (half params are O2 without masters)."""
+    half = None if np.dtype(compute) == np.float32 else compute
+    masters = None if np.dtype(params) == np.float32 or level.upper() == "O3" else False
+    policy = Policy.from_level(level, half, reduce_dtype=reduce, master_weights=masters)
+    if np.dtype(policy.output_dtype) != np.dtype(output):
+        policy = dataclasses.replace(policy, output_dtype=output)
+    return policy
 
 
 def cast_to_full(tree: T) -> T:
