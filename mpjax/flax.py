@@ -376,12 +376,26 @@ jax.tree_util.register_pytree_node(_Paths, lambda p: ((), p.paths), lambda aux, 
 def _nnx_run(resolver: _Resolver, graphdef: Any, variables: Any, args: Any, kwargs: Any) -> Any:
     model = nnx.graph.unflatten(graphdef, list(variables))
     with contextlib.ExitStack() as stack:
+        # Each module's ops are named by its path, as linen names them (``Net/fc``, a list's
+        # ``blocks_0``): the audit's and jax.profiler's rows then say which layer they are.
+        stack.enter_context(_path_scopes(model, functools.partial(_named, type(model).__name__)))
         for scope in _MODULE_SCOPES.get():  # see module_scopes
             stack.enter_context(_path_scopes(model, scope))
         stack.enter_context(_nnx_markers(model, resolver))
         out = model(*args, **kwargs)
     _, new_paths, new_variables = _flatten(model)
     return out, _Paths(tuple(new_paths)), new_variables
+
+
+def _named(root: str, path: str) -> Any:
+    """The name scope of the module at `path` (its parent's scope is entered already)."""
+    parts = path.split("/") if path else []
+    if not parts:
+        return jax.named_scope(root)
+    name = parts[-1]
+    if name.isdigit() and len(parts) > 1:  # an nnx.List item: linen's "layers_0"
+        name = f"{parts[-2]}_{name}"
+    return jax.named_scope(name)
 
 
 def _state_as_without_mpjax(out_tree: Any) -> list[bool]:

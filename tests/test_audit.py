@@ -686,3 +686,47 @@ def test_gpu_library_gemms_are_read_from_optimized_hlo():
     found, _ = audit_hlo.parse_compiled(text)
     # 9 forward gemms, 9 weight-gradient gemms, 8 input-gradient gemms (none for the input).
     assert found == [("__cublas$lt$matmul", ("bfloat16", "bfloat16"))] * 26
+
+
+def test_an_nnx_models_rows_name_its_modules_and_gradient_sums_get_advice():
+    """Through mpjax.flax.wrap, NNX's ops are named by module path as linen's are
+    (``Net/blocks_0/fc``: an nnx.List item as linen names a list's), and the bias
+    gradients' half sums that O2 keeps come with what to do about them."""
+    from flax import nnx
+
+    import mpjax.flax
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return jax.nn.relu(self.fc(x))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.head = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    if not hasattr(nnx, "List"):
+        pytest.skip("this Flax has no nnx.List")
+    model = mpjax.flax.wrap(Net(nnx.Rngs(0)), mpjax.Policy.from_level("O2", "bfloat16"))
+    graphdef, state = nnx.split(model)
+
+    def grads(state, x):
+        loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x).astype(jnp.float32) ** 2)
+        return jax.grad(loss)(state)
+
+    report = mpjax.audit(grads, state, jnp.ones((8, 16)))
+    text = str(report)
+    for path in ("Net/blocks_0/fc (linear.py", "Net/blocks_1/fc (linear.py", "Net/head (linear.py"):
+        assert path in text, text
+    sums = [r for r in report.risks if r.op == "reduce_sum"]
+    assert len(sums) == 3 and all("transpose(" in r.name for r in sums)
+    assert "advice: 3 of them are gradient sums of the backward pass" in text
+    assert "reduce_dtype=jnp.float32" in text

@@ -81,8 +81,9 @@ def audit(
 
     The table's "where" column is the op's source line (``model.py:12``). Where the op's name
     stack holds a module path (Flax linen's, equinox's, a ``jax.named_scope``), the path comes
-    first: ``Net/Dense_0 (linear.py:287)``, since every Dense runs Flax's same line. NNX
-    records no path, so its rows show the line alone.
+    first: ``Net/Dense_0 (linear.py:287)``, since every Dense runs Flax's same line. An NNX
+    model run through :func:`mpjax.flax.wrap` is named the same way (``Net/blocks_0/fc``);
+    NNX itself records no path, so an unwrapped NNX model's rows show the line alone.
 
     Args:
       fn: the function, e.g. a jitted train step.

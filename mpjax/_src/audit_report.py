@@ -373,6 +373,7 @@ class AuditReport:
                 f"  {r.op} {r.dtype}{list(r.shape)} at {_where(r.name, r.source)}"
                 for r in self.risks
             ]
+            rows += _risk_advice(self.risks)
         if self.misaligned:
             rows += [
                 "",
@@ -400,6 +401,27 @@ class AuditReport:
         if self.tpu is not None:
             rows += ["", str(self.tpu)]
         return "\n".join(rows)
+
+
+def _risk_advice(risks: tuple[Risk, ...]) -> list[str]:
+    """What to do about the risks: gradient sums (a reduce_sum in the backward pass, the
+    gradient of a bias or of any broadcast) are the policy's choice of gradient dtype; the
+    rest are forward ops that autocast or an f32 list would run in float32."""
+    backward = sum(1 for r in risks if r.op == "reduce_sum" and "transpose(" in (r.name or ""))
+    rows = []
+    if backward:
+        rows.append(
+            f"advice: {backward} of them are gradient sums of the backward pass (a bias's or a "
+            "broadcast's gradient): a half policy sums gradients in its compute dtype, as the "
+            "hand-written half step does; Policy.from_level(..., reduce_dtype=jnp.float32) "
+            "sums them in float32 (see Policy.gradient_dtype)."
+        )
+    if len(risks) > backward:
+        rows.append(
+            f"advice: {len(risks) - backward} forward op(s): mpjax.autocast(fn, policy) at O1 "
+            "or O2 runs the float32 list in float32 (add an op with f32_ops=)."
+        )
+    return rows
 
 
 def short_source(source: str | None) -> str:
