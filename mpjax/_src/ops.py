@@ -21,7 +21,7 @@ class Kind(enum.Enum):
     F32 = "f32"  # runs in float32
     FOLLOW = "follow"  # follows its inputs at O1, the policy's compute dtype at O2
     UNTOUCHED = "untouched"  # runs in its traced dtypes, for the reason given
-    OWN_RULE = "own rule"  # its traits decide (it passes values through, moves data, ...)
+    BY_TRAITS = "by traits"  # its traits decide (it passes values through, moves data, ...)
     HIGHER_ORDER = "higher order"  # the interpreter runs its body (interpret.py)
 
 
@@ -78,7 +78,7 @@ class Trait(enum.Flag):
     REBROADCAST = enum.auto()
 
 
-_L, _F, _W, _OWN = Kind.LOWER, Kind.F32, Kind.FOLLOW, Kind.OWN_RULE
+_L, _F, _W, _BT = Kind.LOWER, Kind.F32, Kind.FOLLOW, Kind.BY_TRAITS
 _T = Trait
 PASSES, MOVES, CAST_FIRST, CAST, ELEMENTWISE, BIT_WIDTH = (
     _T.PASSES, _T.MOVES, _T.CAST_FIRST, _T.CAST, _T.ELEMENTWISE, _T.BIT_WIDTH
@@ -107,7 +107,7 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "atanh": (_W, NONE),
     "bessel_i0e": (_W, NONE),
     "bessel_i1e": (_W, NONE),
-    "bitcast_convert_type": (_OWN, BIT_WIDTH),
+    "bitcast_convert_type": (_BT, BIT_WIDTH),
     "broadcast_in_dim": (_W, MOVES | CAST_FIRST | ISLAND | CONSTANT | REBROADCAST),
     "cbrt": (_W, ISLAND),
     "ceil": (_W, NONE),
@@ -116,7 +116,7 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "conv_general_dilated": (_L, NONE),
     "convert_element_type": (_W, CAST | ISLAND | CONSTANT | AFFINE),
     "copy": (_W, MOVES | CAST_FIRST | AFFINE),
-    "copy_p": (_OWN, MOVES | CAST_FIRST | AFFINE),
+    "copy_p": (_BT, MOVES | CAST_FIRST | AFFINE),
     "cos": (_W, ISLAND),
     "cosh": (_F, NONE),
     "cumlogsumexp": (_F, NONE),
@@ -124,7 +124,7 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "cummin": (_W, NONE),
     "cumprod": (_F, NONE),
     "cumsum": (_F, NONE),
-    "device_put": (_OWN, PASSES),
+    "device_put": (_BT, PASSES),
     "digamma": (_W, NONE),
     "div": (_W, ELEMENTWISE | ISLAND),
     "dot_general": (_L, NONE),
@@ -136,7 +136,7 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "erfc": (_W, ISLAND),
     "exp": (_F, ISLAND),
     "exp2": (_F, ISLAND),
-    "expand_dims": (_OWN, MOVES | CAST_FIRST | ISLAND | CONSTANT),
+    "expand_dims": (_BT, MOVES | CAST_FIRST | ISLAND | CONSTANT),
     "expm1": (_F, ISLAND),
     "floor": (_W, NONE),
     "gather": (_W, MOVES | CAST_FIRST),
@@ -152,19 +152,19 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "logistic": (_W, ISLAND),
     "lt": (_W, DECIDES | TEST),
     "max": (_W, ELEMENTWISE | COMMUTES | FILLS | ISLAND),
-    "mesh_cast": (_OWN, PASSES | CAST_FIRST),
+    "mesh_cast": (_BT, PASSES | CAST_FIRST),
     "min": (_W, ELEMENTWISE | COMMUTES | FILLS | ISLAND),
     "mul": (_W, ELEMENTWISE | ISLAND),
-    "name": (_OWN, PASSES | AFFINE | REBROADCAST),
+    "name": (_BT, PASSES | AFFINE | REBROADCAST),
     "ne": (_W, DECIDES | TEST),
     "neg": (_W, COMMUTES | ISLAND | AFFINE),
     "nextafter": (_W, ELEMENTWISE | BIT_WIDTH),
     "not": (_W, TEST),
-    "optimization_barrier": (_OWN, PASSES),
+    "optimization_barrier": (_BT, PASSES),
     "or": (_W, TEST),
     "pad": (_W, FILLS),
     "pow": (_F, ELEMENTWISE | ISLAND),
-    "pvary": (_OWN, PASSES),
+    "pvary": (_BT, PASSES),
     "ragged_dot": (_L, NONE),
     "ragged_dot_general": (_L, NONE),
     "reduce_and": (_W, NONE),
@@ -180,7 +180,7 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "reduce_window_sum": (_W, NONE),
     "rem": (_W, ELEMENTWISE),
     "reshape": (_W, MOVES | CAST_FIRST | ISLAND | CONSTANT | REBROADCAST),
-    "reshard": (_OWN, PASSES | CAST_FIRST),
+    "reshard": (_BT, PASSES | CAST_FIRST),
     "rev": (_W, MOVES | CAST_FIRST),
     "round": (_W, NONE),
     "rsqrt": (_F, ISLAND),
@@ -193,18 +193,18 @@ _RECORDS: dict[str, tuple[Kind, Trait]] = {
     "select_and_gather_add": (_W, NONE),
     "select_and_scatter_add": (_W, NONE),
     "select_n": (_W, ELEMENTWISE | COMMUTES | FILLS | CARRIES | ISLAND | AFFINE),
-    "sharding_constraint": (_OWN, PASSES | CAST_FIRST),
+    "sharding_constraint": (_BT, PASSES | CAST_FIRST),
     "sign": (_W, COMMUTES | ISLAND),
     "sin": (_W, ISLAND),
     "sinh": (_F, NONE),
-    "slice": (_OWN, MOVES | CAST_FIRST),
+    "slice": (_BT, MOVES | CAST_FIRST),
     "sort": (_W, DECIDES | ORDERS),
     "split": (_W, NONE),
     "sqrt": (_W, ISLAND),
     "square": (_W, ISLAND),
     "squeeze": (_W, MOVES | CAST_FIRST | ISLAND | CONSTANT),
     "stack": (_W, NONE),
-    "stop_gradient": (_OWN, PASSES | ISLAND),
+    "stop_gradient": (_BT, PASSES | ISLAND),
     "sub": (_W, ELEMENTWISE | CANCELS | CARRIES | ISLAND),
     "tan": (_F, NONE),
     "tanh": (_W, ISLAND),
@@ -266,7 +266,7 @@ _WHY = {
     Kind.LOWER: "matmul-like: tensor cores",
     Kind.F32: "loses accuracy or overflows in half",
     Kind.FOLLOW: "follows its inputs",
-    Kind.OWN_RULE: "its traits decide",
+    Kind.BY_TRAITS: "its traits decide",
     Kind.HIGHER_ORDER: "the interpreter runs its body",
 }
 

@@ -22,7 +22,7 @@ from mpjax._src.rules import TRACED_DTYPE_OPS
 from mpjax._src.values import scatter_update
 
 # Ops that only move data: their error is their input's, so they get no row.
-MOVES = ops.having(Trait.MOVES | Trait.PASSES)
+NO_OWN_ERROR = ops.having(Trait.MOVES | Trait.PASSES)
 
 
 # -- the shadow evaluation ---------------------------------------------------------------------
@@ -153,7 +153,7 @@ class Shadow:
         if eqn.effects and tracks[0]:  # a callback or print runs once
             return [(h, to_f32(h)) for h in oh]
         ref = self._ref(eqn, rs)
-        if tracks[0] and prim not in MOVES and any(is_float(v.aval) for v in eqn.outvars):
+        if tracks[0] and prim not in NO_OWN_ERROR and any(is_float(v.aval) for v in eqn.outvars):
             local = _listify(
                 jc.bind(
                     eqn.primitive, [_as_traced(r, v) for r, v in zip(rs, eqn.invars)], eqn.params
