@@ -256,14 +256,7 @@ def loss_scale(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaleState]:
-        if not isinstance(state, LossScaleState):
-            raise TypeError(
-                f"loss_scale().update got a state of type {type(state).__name__}; pass the state "
-                "that this transformation's init returned."
-            )
-        _check_has_floats(updates, "the gradient tree")
-        if params is not None:
-            _check_like_params(updates, params)
+        _check_update_args(updates, state, params)
         # Unscale with the scale that produced these gradients, then adjust (jmp users often
         # adjust first and unscale with the new scale, which is off by the factor).
         grads = ls_lib.divide_by_scale(state.loss_scale, updates)
@@ -272,49 +265,78 @@ def loss_scale(
         # leaves the unscale multiply a single consumer, which XLA fuses into the update
         # instead of writing the unscaled gradients out (docs/guides/internals.md).
         checked = updates if _scale_at_least_one(state.loss_scale) else grads
-
         finite, nonfinite = _finite(checked, state.nonfinite, axis_name)
         new_scale = state.loss_scale.adjust(finite)
-
         if inner_tx is None:
             new_updates, inner_state = grads, state.inner_state
         else:
-            # Run the inner update and select, where optax.apply_if_finite branches with
-            # lax.cond: a select fuses into the update, where a cond's branches keep their
-            # own buffers (the temp memory this saves: docs/guides/internals.md).
-            # select(finite, new, old) returns `old` bit for bit, NaNs in `new` or not.
-            new_updates, proposed = inner_tx.update(grads, state.inner_state, params, **extra_args)
-            if _checks_updates(check_updates, params if params is not None else updates):
-                # A step whose updates are not finite is skipped like an overflow, and
-                # counted, so no inf or NaN reaches the params (the scale adjusted above, on
-                # the gradients).
-                finite = finite & ls_lib.all_finite(new_updates)
-            inner_state = jax.tree_util.tree_map(
-                lambda new, old: _select(finite, new, jnp.asarray(old, new.dtype)),
-                proposed,
-                state.inner_state,
+            check = _checks_updates(check_updates, params if params is not None else updates)
+            new_updates, inner_state, finite = _inner_step(
+                inner_tx, grads, state.inner_state, params, finite, check, extra_args
             )
-            new_updates = jax.tree_util.tree_map(
-                lambda u: u if is_inexact(u) else _select(finite, u, jnp.zeros_like(u)),
-                new_updates,
-            )
-
-        def mask(u: Any) -> Any:
-            # -0.0, not 0.0: p + (-0.0) == p bitwise for every p, including p == -0.0.
-            return _select(finite, u, jax.lax.full_like(u, -0.0)) if is_inexact(u) else u
-
-        return jax.tree_util.tree_map(mask, new_updates), LossScaleState(
-            loss_scale=new_scale,
-            skipped_steps=jnp.where(
-                finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
-            ),
-            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
-            last_finite=finite,
-            inner_state=inner_state,
-            nonfinite=nonfinite,
+        return _skipped_as_zero(finite, new_updates), _next_state(
+            state, finite, new_scale, inner_state, nonfinite
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _check_update_args(updates: Any, state: Any, params: Any) -> None:
+    if not isinstance(state, LossScaleState):
+        raise TypeError(
+            f"loss_scale().update got a state of type {type(state).__name__}; pass the state "
+            "that this transformation's init returned."
+        )
+    _check_has_floats(updates, "the gradient tree")
+    if params is not None:
+        _check_like_params(updates, params)
+
+
+def _inner_step(
+    inner_tx: Any, grads: Any, inner: Any, params: Any, finite: Any, check: bool, extra: Any
+) -> tuple[Any, Any, jax.Array]:
+    """The inner optimizer's update of the unscaled gradients, and its state where the step
+    is finite, else its state unchanged: a select, where optax.apply_if_finite branches with
+    lax.cond (a select fuses into the update, where a cond's branches keep their own
+    buffers: docs/guides/internals.md). ``select(finite, new, old)`` returns `old` bit for
+    bit, NaNs in `new` or not. With `check`, a step whose updates are not finite is skipped
+    like an overflow, and counted, so no inf or NaN reaches the params."""
+    updates, proposed = inner_tx.update(grads, inner, params, **extra)
+    if check:
+        finite = finite & ls_lib.all_finite(updates)
+    kept = jax.tree_util.tree_map(
+        lambda new, old: _select(finite, new, jnp.asarray(old, new.dtype)), proposed, inner
+    )
+    updates = jax.tree_util.tree_map(
+        lambda u: u if is_inexact(u) else _select(finite, u, jnp.zeros_like(u)), updates
+    )
+    return updates, kept, finite
+
+
+def _skipped_as_zero(finite: jax.Array, updates: Any) -> Any:
+    """`updates`, or -0.0 for each floating leaf on a skipped step: p + (-0.0) == p bitwise
+    for every p, including p == -0.0 (0.0 would turn it into +0.0)."""
+
+    def mask(u: Any) -> Any:
+        return _select(finite, u, jax.lax.full_like(u, -0.0)) if is_inexact(u) else u
+
+    return jax.tree_util.tree_map(mask, updates)
+
+
+def _next_state(
+    state: LossScaleState, finite: jax.Array, scale: Any, inner: Any, nonfinite: Any
+) -> LossScaleState:
+    """The state after a step: its counters move by whether it was finite."""
+    return LossScaleState(
+        loss_scale=scale,
+        skipped_steps=jnp.where(
+            finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)
+        ),
+        consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1).astype(jnp.int32),
+        last_finite=finite,
+        inner_state=inner,
+        nonfinite=nonfinite,
+    )
 
 
 def _initial_state(
