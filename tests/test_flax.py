@@ -603,3 +603,53 @@ def test_nnx_value_and_grad_needs_a_loss_scale_in_the_optimizer():
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     with pytest.raises(ValueError, match="loss"):
         mpjax.scaled_value_and_grad(lambda m: m(jnp.ones((1, 2))).sum())(optimizer, model)
+
+
+def test_loss_scale_metrics_of_an_nnx_optimizer_are_arrays():
+    """nnx.Optimizer wraps each array of its optax state in a Variable (nnx.OptArray);
+    loss_scale_metrics gives arrays, so ``bool(m["last_step_finite"])`` works as for optax."""
+    from flax import nnx
+
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, mpjax.loss_scale(optax.adam(1e-3)), wrt=nnx.Param)
+    x = jnp.ones((2, 8))
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+
+    step(model, opt)
+    metrics = mpjax.loss_scale_metrics(opt.opt_state)
+    assert all(isinstance(v, jax.Array) for v in metrics.values()), metrics
+    assert bool(metrics["last_step_finite"]) and int(metrics["skipped_steps"]) == 0
+    assert metrics["loss_scale"].dtype == jnp.float32
+
+
+def test_8_bit_adam_state_in_an_nnx_optimizer_trains_as_in_optax():
+    """quantize_moments in an nnx.Optimizer, updated inside nnx.jit: its moments stay 8-bit
+    across steps (Flax wraps each array of the state; a moment wrapped whole came back as its
+    parts), and the params move as the same optimizer moves them through optax."""
+    from flax import nnx
+
+    tx = mpjax.quantize_moments(optax.adam(1e-2), min_size=64)
+    model = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    x = jnp.linspace(-1.0, 1.0, 32).reshape(2, 16)
+    loss = lambda m: jnp.mean(m(x) ** 2)
+    graphdef, params = nnx.split(model)
+    params = jax.tree_util.tree_map(jnp.copy, params)  # not the model's own Variables
+    state = tx.init(params)
+
+    @nnx.jit
+    def step(model, opt):
+        opt.update(model, nnx.grad(loss)(model))
+
+    for _ in range(3):
+        step(model, opt)
+        grads = jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert isinstance(opt.opt_state.inner_state[0].mu["kernel"], mpjax.QuantizedMoment)
+    trained = jax.tree_util.tree_leaves(nnx.state(model))
+    for got, want in zip(trained, jax.tree_util.tree_leaves(params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)

@@ -661,3 +661,31 @@ def test_a_lookup_sums_its_gradient_in_float32_in_shard_map_and_in_half_under_ji
     sharded_ids = jax.device_put(ids, NamedSharding(mesh, P("data")))
     jaxpr = jax.make_jaxpr(jax.grad(mpjax.autocast(plain, policy)))(table, sharded_ids).jaxpr
     assert _scatter_dtypes(jaxpr) == ["bfloat16"], _scatter_dtypes(jaxpr)
+
+
+@needs_8
+def test_8_bit_adam_state_under_explicit_axes_quantizes_what_stays_local():
+    """quantize_moments under an Explicit mesh (jax.make_mesh's default on recent JAX): a
+    moment sharded on its first axis is quantized in blocks along its other axes (no data
+    moves between devices), and its updates equal the unsharded optimizer's; one sharded on
+    another axis has no local block view and stays as the inner optimizer keeps it."""
+    mesh, ctx = explicit_mesh()
+    tx = mpjax.quantize_moments(optax.adam(1e-3), min_size=1024)
+    rows = jax.random.normal(jax.random.key(0), (N * 8, 32))
+    cols = jax.random.normal(jax.random.key(1), (4, N * 8, 32))
+    with ctx:
+        params = {
+            "rows": jax.device_put(rows, NamedSharding(mesh, P("data"))),
+            "cols": jax.device_put(cols, NamedSharding(mesh, P(None, "data"))),
+        }
+        grads = jax.tree_util.tree_map(lambda p: 0.1 * p, params)
+        state = tx.init(params)
+        updates, state = jax.jit(tx.update)(grads, state, params)
+    mu = state.inner_state[0].mu
+    assert isinstance(mu["rows"], mpjax.QuantizedMoment)
+    assert not isinstance(mu["cols"], mpjax.QuantizedMoment)
+    local = {"rows": rows, "cols": cols}
+    expected, _ = jax.jit(tx.update)(
+        jax.tree_util.tree_map(lambda p: 0.1 * p, local), tx.init(local), local
+    )
+    np.testing.assert_allclose(np.asarray(updates["rows"]), np.asarray(expected["rows"]))

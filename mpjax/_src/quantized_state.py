@@ -89,11 +89,12 @@ def _dequantize_unit(code: jax.Array, f: _Format) -> jax.Array:
     return jnp.where(e > 0, normal, sub)
 
 
-def _rows(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
+def _rows(shape: tuple[int, ...], block_size: int, first: int = 0) -> tuple[int, int]:
     """The 2-D view ``[rows, cols]`` blocks run along: `cols` is the product of the fewest
-    trailing axes that reach `block_size` (all of them for a small array)."""
+    trailing axes that reach `block_size` (all of them from axis `first` for a small
+    array)."""
     cols = 1
-    for k in range(len(shape) - 1, -1, -1):
+    for k in range(len(shape) - 1, first - 1, -1):
         cols *= shape[k]
         if cols >= block_size:
             break
@@ -101,10 +102,35 @@ def _rows(shape: tuple[int, ...], block_size: int) -> tuple[int, int]:
     return (size // cols if cols else 0), cols
 
 
+def _sharded_axes(x: Any) -> tuple[int, ...]:
+    """The axes of `x` sharded over explicit mesh axes (its type's sharding; none under
+    Auto axes, where the sharding is not part of the type)."""
+    try:
+        spec = jax.typeof(x).sharding.spec
+    except Exception:  # noqa: BLE001 - a value without a sharding in its type
+        return ()
+    return tuple(i for i, s in enumerate(spec) if s is not None)
+
+
+def _view(x: Any, block_size: int) -> tuple[int, int] | None:
+    """`x`'s ``[rows, cols]`` view, or None where no local view exists: under explicit axes
+    blocks run along the axes after the last sharded one (merging a sharded axis into the
+    blocks would move data between devices), and the rows may hold one sharded axis, the
+    first."""
+    sharded = _sharded_axes(x)
+    if not sharded:
+        return _rows(np.shape(x), block_size)
+    if sharded != (0,):
+        return None
+    return _rows(np.shape(x), block_size, first=1)
+
+
 def _magnitudes(x: jax.Array, f: _Format, block_size: int) -> jax.Array:
     """`x` as float32 (its square root for a non-negative format) in its ``[rows, cols]``
     view."""
-    v = jnp.asarray(x).astype(_F32).reshape(_rows(np.shape(x), block_size))
+    view = _view(x, block_size)
+    assert view is not None  # quantize_moments keeps such leaves as they are
+    v = jnp.asarray(x).astype(_F32).reshape(view)
     return v if f.signed else jnp.sqrt(jnp.maximum(v, 0.0))
 
 
@@ -251,7 +277,7 @@ class QuantizedMoment:
           [4.0, 1.0, 0.0, 0.25]
         """
         f = FORMATS[self.fmt]
-        codes = self.codes.reshape(_rows(self.shape, self.block_size))
+        codes = self.codes.reshape(self.scales.shape[0], -1)  # the [rows, cols] view
         code = codes & jnp.uint8(127) if f.signed else codes
         scale = _spread(self.scales, codes.shape[1], self.block_size)
         mag = _dequantize_unit(code, f) * scale
@@ -287,6 +313,38 @@ class QuantizedMomentsState(NamedTuple):
 
     inner_state: Any
     key: jax.Array
+
+
+def _is_variable(x: Any) -> bool:
+    return hasattr(x, "get_metadata") and hasattr(x, "replace")
+
+
+def _value(variable: Any) -> Any:
+    get = getattr(variable, "get_value", None)  # Flax >= 0.12; .value before (deprecated now)
+    return get() if callable(get) else variable.value
+
+
+def _arrays_of(tree: Any) -> Any:
+    """`tree` with each NNX Variable replaced by the array it holds (other trees as they
+    are)."""
+    if tree is None or not any(
+        _is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)
+    ):
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: _value(x) if _is_variable(x) else x, tree, is_leaf=_is_variable
+    )
+
+
+def _wrapped_like(like: Any, tree: Any) -> Any:
+    """`tree` (arrays) wrapped in the Variables `like` has where it has them."""
+    if tree is like or not any(
+        _is_variable(x) for x in jax.tree_util.tree_leaves(like, is_leaf=_is_variable)
+    ):
+        return tree
+    return jax.tree_util.tree_map(
+        lambda w, x: w.replace(x) if _is_variable(w) else x, like, tree, is_leaf=_is_variable
+    )
 
 
 def _is_q(x: Any) -> bool:
@@ -423,7 +481,9 @@ def quantize_moments(
 
     def moment(path: tuple[Any, ...], leaf: Any) -> str | None:
         field = _field(path)
-        return field if is_float(leaf) and np.prod(np.shape(leaf)) >= min_size else None
+        big = is_float(leaf) and np.prod(np.shape(leaf)) >= min_size
+        # a leaf sharded over explicit axes other than its first has no local block view
+        return field if big and _view(leaf, block_size) is not None else None
 
     def quantize(tree: Any, key: jax.Array, shadow: Any = None) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -461,7 +521,10 @@ def quantize_moments(
     def init(params: optax.Params) -> QuantizedMomentsState:
         key = jax.random.wrap_key_data(jnp.asarray(key_data), impl=impl)
         init_key, next_key = jax.random.split(key)
-        state = quantize(inner_tx.init(params), init_key)
+        # nnx.Optimizer passes its params as Variables and wraps each array of the state in
+        # one: a moment built inside a Param would be wrapped whole, and Flax would then
+        # store it back as its parts. From the arrays, each part is wrapped on its own.
+        state = quantize(inner_tx.init(_arrays_of(params)), init_key)
         if not any(_is_q(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_q)):
             raise ValueError(
                 "quantize_moments: the optimizer's state has no moment array of at least "
@@ -484,6 +547,8 @@ def quantize_moments(
                 "the state that this transformation's init returned."
             )
         key, round_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
+        given = updates  # the state holds arrays, not NNX Variables (see init)
+        updates, params = _arrays_of(updates), _arrays_of(params)
         inner_updates, inner_state = inner_tx.update(
             updates, dequantize(state.inner_state), params, **extra_args
         )
@@ -498,6 +563,6 @@ def quantize_moments(
         new_state = QuantizedMomentsState(
             quantize(inner_state, round_key, shadow), jax.random.key_data(key)
         )
-        return inner_updates, new_state
+        return _wrapped_like(given, inner_updates), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)

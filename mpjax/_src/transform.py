@@ -753,15 +753,26 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
       ['consecutive_skips', 'last_step_finite', 'loss_scale', 'skipped_steps']
     """
     state = _the_state(opt_state, "loss_scale_metrics")
-    metrics = {
-        "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
+    found: dict[str, Any] = {
+        "loss_scale": state.loss_scale.loss_scale,
         "skipped_steps": state.skipped_steps,
         "consecutive_skips": state.consecutive_skips,
         "last_step_finite": state.last_finite,
     }
     if state.nonfinite is not None:
-        metrics["nonfinite_leaves"] = state.nonfinite.mask
+        found["nonfinite_leaves"] = state.nonfinite.mask
+    # Arrays, also from an nnx.Optimizer's state, which wraps each in a Variable.
+    metrics = {k: jnp.asarray(_unwrapped(v)) for k, v in found.items()}
+    metrics["loss_scale"] = metrics["loss_scale"].astype(jnp.float32)
     return metrics
+
+
+def _unwrapped(value: Any) -> Any:
+    """The array an NNX Variable (``nnx.OptArray``) holds, or `value` itself."""
+    get = getattr(value, "get_value", None)
+    if callable(get):
+        return get()
+    return getattr(value, "value", value) if hasattr(value, "get_metadata") else value
 
 
 def nonfinite_leaves(opt_state: Any) -> list[str]:
