@@ -730,3 +730,23 @@ def test_an_nnx_models_rows_name_its_modules_and_gradient_sums_get_advice():
     assert len(sums) == 3 and all("transpose(" in r.name for r in sums)
     assert "advice: 3 of them are gradient sums of the backward pass" in text
     assert "reduce_dtype=jnp.float32" in text
+
+
+def test_collectives_the_policys_float32_regions_move_are_its_own_choice():
+    """assert_collectives_in allows what a norm's float32 region moves (its float32 params
+    gathered, its cotangent resharded: keep_norm_fp32 asks for float32 there) and still names
+    a float32 collective anywhere else."""
+    from mpjax._src.audit_report import AuditReport, Collective
+
+    def report(*names):
+        found = tuple(
+            Collective("all-gather", ("float32",), "partitioned", (64,), 256, n) for n in names
+        )
+        return AuditReport((), 0, (), (), None, "cpu", found)
+
+    policy = mpjax.Policy.from_level("O2", "bfloat16")
+    norm = "jit(step)/jvp(LM)/Block_0/LayerNorm_0/mpjax:f32/convert_element_type"
+    back = "jit(step)/transpose(jvp(LM))/Block_0/LayerNorm_0/mpjax:f32/all_to_all"
+    report(norm, back).assert_collectives_in(policy)
+    with pytest.raises(AssertionError, match=r"(?s)1 collectives move float32.*Dense_0"):
+        report(norm, "jit(step)/jvp(LM)/Block_0/Dense_0/dot_general").assert_collectives_in(policy)

@@ -11,6 +11,7 @@ import numpy as np
 
 from mpjax._src.first_order import UNTOUCHED_SCOPE
 from mpjax._src.gpu_program import GpuProgram
+from mpjax._src.regions import F32_REGION
 from mpjax._src.tpu_program import TpuProgram
 
 HALF_DTYPES = ("float16", "bfloat16")
@@ -294,10 +295,13 @@ class AuditReport:
 
         Read from the program after SPMD partitioning (stage "partitioned"). Allowed wide:
         gradient reductions (the backward pass's all-reduces and reduce-scatters) when the
-        policy reduces in float32 (:attr:`mpjax.Policy.reduce_dtype`), and, with a
-        `reference` (the audit of the hand-written half step), the wide collectives it moves
-        too, matched by kind, shape and dtype (a loss's or a norm's float32 statistics).
-        Nothing to check on one device, or for a policy that computes in float32.
+        policy reduces in float32 (:attr:`mpjax.Policy.reduce_dtype`); what the policy's own
+        float32 regions move (a norm's float32 params gathered for its float32 island, its
+        float32 cotangent resharded: the policy asks for float32 there, as ``keep_norm_fp32``
+        says); and, with a `reference` (the audit of the hand-written half step), the wide
+        collectives it moves too, matched by kind, shape and dtype (a loss's or a norm's
+        float32 statistics). Nothing to check on one device, or for a policy that computes
+        in float32.
 
         Example:
           >>> import jax, jax.numpy as jnp, mpjax
@@ -316,6 +320,7 @@ class AuditReport:
             and not (
                 asked and c.kind in ("all-reduce", "reduce-scatter") and "transpose(" in c.name
             )
+            and _F32_REGION not in c.name
         ]
         if reference is not None:
             key = lambda c: (c.kind, c.shape, c.dtypes[0] if c.dtypes else "")
@@ -401,6 +406,10 @@ class AuditReport:
         if self.tpu is not None:
             rows += ["", str(self.tpu)]
         return "\n".join(rows)
+
+
+# The scope of the policy's float32 regions (norms kept in float32) in op names.
+_F32_REGION = f"mpjax:{F32_REGION}/"
 
 
 def _risk_advice(risks: tuple[Risk, ...]) -> list[str]:
