@@ -457,20 +457,13 @@ def _conv_flops(ins: _Instr, comp: _Computation) -> float:
 def _taps(out: int, size: int, stride: int, pad: int, lhs_dil: int, rhs_dil: int, n: int) -> int:
     """Over one spatial dimension of a convolution, the (output position, window tap) pairs
     that meet an input element (not padding, not a hole of lhs dilation)."""
-    span = (n - 1) * lhs_dil
-    return sum(
-        1
-        for p in range(out)
-        for k in range(size)
-        if 0 <= (x := p * stride + k * rhs_dil - pad) <= span and x % lhs_dil == 0
-    )
+    hits = [p * stride + k * rhs_dil - pad for p in range(out) for k in range(size)]
+    return sum(1 for x in hits if 0 <= x <= (n - 1) * lhs_dil and x % lhs_dil == 0)
 
 
 def _window(attrs: str, key: str, dims: int, default: int) -> list[int]:
-    found = re.search(rf"\b{key}=([\dx_]+)", attrs)
-    if not found:
-        return [default] * dims
-    return [int(v.split("_")[0]) for v in found.group(1).split("x")]
+    found = re.search(rf"\b{key}=([\dx_-]+)", attrs)  # a pad's low side ("1_2" is 1)
+    return [int(v.split("_")[0]) for v in found.group(1).split("x")] if found else [default] * dims
 
 
 def _fused_conv_flops(conv: _Instr, comps: dict[str, _Computation]) -> float:
@@ -493,8 +486,7 @@ def _fused_conv_flops(conv: _Instr, comps: dict[str, _Computation]) -> float:
     stride = _window(conv.attrs, "stride", len(spatial), 1)
     lhs_dil = _window(conv.attrs, "lhs_dilate", len(spatial), 1)
     rhs_dil = _window(conv.attrs, "rhs_dilate", len(spatial), 1)
-    pads = re.search(r"\bpad=([\d_x-]+)", conv.attrs)
-    pad = [int(v.split("_")[0]) for v in pads.group(1).split("x")] if pads else [0] * len(spatial)
+    pad = _window(conv.attrs, "pad", len(spatial), 0)
     pairs = math.prod(
         _taps(out[out_l.index(d)], size[i], stride[i], pad[i], lhs_dil[i], rhs_dil[i],
               lhs[lhs_l.index(d)])

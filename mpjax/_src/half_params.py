@@ -134,6 +134,40 @@ def random_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _mix(_mix(index + seed[0]) ^ seed[1])
 
 
+def is_variable(x: Any) -> bool:
+    """Whether `x` is an NNX Variable (nnx.Param, nnx.OptArray, ...)."""
+    return hasattr(x, "get_metadata") and hasattr(x, "replace")
+
+
+def variable_value(variable: Any) -> Any:
+    """The array an NNX Variable holds."""
+    get = getattr(variable, "get_value", None)  # Flax >= 0.12; .value before (deprecated now)
+    return get() if callable(get) else variable.value
+
+
+def arrays_of(tree: Any) -> Any:
+    """`tree` with each NNX Variable replaced by the array it holds (other trees as they
+    are)."""
+    if tree is None or not any(
+        is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_variable)
+    ):
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: variable_value(x) if is_variable(x) else x, tree, is_leaf=is_variable
+    )
+
+
+def wrapped_like(like: Any, tree: Any) -> Any:
+    """`tree` (arrays) wrapped in the Variables `like` has where it has them."""
+    if tree is like or not any(
+        is_variable(x) for x in jax.tree_util.tree_leaves(like, is_leaf=is_variable)
+    ):
+        return tree
+    return jax.tree_util.tree_map(
+        lambda w, x: w.replace(x) if is_variable(w) else x, like, tree, is_leaf=is_variable
+    )
+
+
 def up_to(treedef: Any, tree: Any) -> list[Any]:
     """The leaves of `tree` down to the leaves of `treedef` (its subtrees stay whole)."""
     return treedef.flatten_up_to(tree)

@@ -48,6 +48,9 @@ _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
 }
 _NAME_TO_DTYPE = {name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names}
 _HALF_DTYPES = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+# get_policy's keys: jmp's (p, c, o, long or short), and mpjax's reduce and level.
+_GRAMMAR_KEYS = {k: n for n in ("params", "compute", "output", "reduce") for k in (n, n[0])}
+_GRAMMAR_KEYS["level"] = "level"
 # Keras's dtype policy names (keras.mixed_precision.set_global_policy).
 _KERAS_NAMES = {"MIXED_FLOAT16": np.dtype(jnp.float16), "MIXED_BFLOAT16": np.dtype(jnp.bfloat16)}
 
@@ -731,14 +734,13 @@ def get_policy(policy_name: str) -> Policy:
     if key in _LEVEL_KEYS or key in _UNMAPPED_LEVELS:
         return Policy.from_level(policy_name)
     if key in _KERAS_NAMES:
-        # Keras's mixed policies: float32 variables cast to half per layer, every layer in
-        # half but its normalizations (which upcast), the model's output cast to float32 as
-        # its guide says, and a LossScaleOptimizer for float16. That is O2.
+        # Keras's mixed policies: float32 variables cast to half per layer, norms upcast, the
+        # output cast to float32, a LossScaleOptimizer for float16: O2.
         return Policy.from_level("O2", _KERAS_NAMES[key])
     param_dtype: np.dtype = np.dtype(np.float32)
-    compute_dtype = output_dtype = reduce_dtype = None
-    level = None
+    compute_dtype = output_dtype = reduce_dtype = level = None
     if "=" in policy_name:
+        given: dict[str, Any] = {}
         for part in policy_name.split(","):
             key, sep, value = part.partition("=")
             key = key.strip()
@@ -747,46 +749,33 @@ def get_policy(policy_name: str) -> Policy:
                     f"Bad part {part.strip()!r} in {policy_name!r}: each part is key=dtype, "
                     "e.g. 'p=f32,c=bf16,o=f32'."
                 )
-            if key == "level":  # mpjax's: the level a policy's str names
-                level = value.strip()
-                continue
-            dtype = parse_dtype(value)
-            if key in ("p", "params"):
-                param_dtype = dtype
-            elif key in ("c", "compute"):
-                compute_dtype = dtype
-            elif key in ("o", "output"):
-                output_dtype = dtype
-            elif key in ("r", "reduce"):
-                reduce_dtype = dtype
-            else:
+            if key not in _GRAMMAR_KEYS:
                 raise ValueError(
                     f"Unknown key '{key}' in '{policy_name}' should be 'params', 'compute', "
                     "'output' (or mpjax's 'reduce' and 'level')."
                 )
-        if compute_dtype is None:
-            compute_dtype = param_dtype
-        if output_dtype is None:
-            output_dtype = compute_dtype
+            given[_GRAMMAR_KEYS[key]] = value.strip() if key == "level" else parse_dtype(value)
+        param_dtype = given.get("params", param_dtype)
+        compute_dtype = given.get("compute", param_dtype)
+        output_dtype = given.get("output", compute_dtype)
+        reduce_dtype, level = given.get("reduce"), given.get("level")
     else:
         try:
             param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
         except ValueError as e:  # jmp's words first, then the level names jmp does not have
             raise ValueError(f"{e} A level name is accepted too: {_ACCEPTED}.") from None
-    if level is not None:
-        return _level_with(level, param_dtype, compute_dtype, output_dtype, reduce_dtype)
-    return Policy(param_dtype, compute_dtype, output_dtype, reduce_dtype=reduce_dtype)
+    if level is None:
+        return Policy(param_dtype, compute_dtype, output_dtype, reduce_dtype=reduce_dtype)
+    return _level_with(level, param_dtype, compute_dtype, output_dtype, reduce_dtype)
 
 
 def _level_with(level: str, params: Any, compute: Any, output: Any, reduce: Any) -> Policy:
-    """The policy a level's str names: ``from_level(level, compute)`` with its params, output
-    and reduce dtypes as the string gives them (half params are O2 without masters)."""
+    """The policy a level's str names (half params: O2 without masters)."""
     half = None if np.dtype(compute) == np.float32 else compute
     masters = None if np.dtype(params) == np.float32 or level.upper() == "O3" else False
     policy = Policy.from_level(level, half, reduce_dtype=reduce, master_weights=masters)
-    if np.dtype(policy.output_dtype) != np.dtype(output):
-        policy = dataclasses.replace(policy, output_dtype=output)
-    return policy
+    same = np.dtype(policy.output_dtype) == np.dtype(output)
+    return policy if same else dataclasses.replace(policy, output_dtype=output)
 
 
 def cast_to_full(tree: T) -> T:

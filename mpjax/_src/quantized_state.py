@@ -11,11 +11,13 @@ import optax
 
 from mpjax._src.dtypes import is_float
 from mpjax._src.half_params import (
+    arrays_of,
     check_inner,
     key_and_impl,
     random_bits,
     u32,
     up_to,
+    wrapped_like,
 )
 
 _F32 = jnp.dtype(jnp.float32)
@@ -315,36 +317,17 @@ class QuantizedMomentsState(NamedTuple):
     key: jax.Array
 
 
-def _is_variable(x: Any) -> bool:
-    return hasattr(x, "get_metadata") and hasattr(x, "replace")
-
-
-def _value(variable: Any) -> Any:
-    get = getattr(variable, "get_value", None)  # Flax >= 0.12; .value before (deprecated now)
-    return get() if callable(get) else variable.value
-
-
-def _arrays_of(tree: Any) -> Any:
-    """`tree` with each NNX Variable replaced by the array it holds (other trees as they
-    are)."""
-    if tree is None or not any(
-        _is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)
-    ):
-        return tree
-    return jax.tree_util.tree_map(
-        lambda x: _value(x) if _is_variable(x) else x, tree, is_leaf=_is_variable
-    )
-
-
-def _wrapped_like(like: Any, tree: Any) -> Any:
-    """`tree` (arrays) wrapped in the Variables `like` has where it has them."""
-    if tree is like or not any(
-        _is_variable(x) for x in jax.tree_util.tree_leaves(like, is_leaf=_is_variable)
-    ):
-        return tree
-    return jax.tree_util.tree_map(
-        lambda w, x: w.replace(x) if _is_variable(w) else x, like, tree, is_leaf=_is_variable
-    )
+def _group_scales(
+    groups: dict[Any, list[int]], mags: dict[int, jax.Array], block_size: int
+) -> dict[int, jax.Array]:
+    """Each moment's block maxima, read in one pass for up to _GROUP moments of one shape."""
+    scales: dict[int, jax.Array] = {}
+    for same in groups.values():
+        for start in range(0, len(same), _GROUP):
+            members = same[start : start + _GROUP]
+            found = _block_maxima([mags[i] for i in members], block_size)
+            scales.update(zip(members, found, strict=True))
+    return scales
 
 
 def _is_q(x: Any) -> bool:
@@ -498,12 +481,7 @@ def quantize_moments(
             fmts[i] = first_fmt if field in FIRST else second_fmt
             mags[i] = _magnitudes(leaf if twin is None else twin, FORMATS[fmts[i]], block_size)
             groups.setdefault((np.shape(leaf), mags[i].shape), []).append(i)
-        scales: dict[int, jax.Array] = {}
-        for same in groups.values():
-            for start in range(0, len(same), _GROUP):
-                members = same[start : start + _GROUP]
-                found = _block_maxima([mags[i] for i in members], block_size)
-                scales.update(zip(members, found, strict=True))
+        scales = _group_scales(groups, mags, block_size)
         out = []
         for i, (_, leaf) in enumerate(leaves):
             if i not in fmts:
@@ -524,7 +502,7 @@ def quantize_moments(
         # nnx.Optimizer passes its params as Variables and wraps each array of the state in
         # one: a moment built inside a Param would be wrapped whole, and Flax would then
         # store it back as its parts. From the arrays, each part is wrapped on its own.
-        state = quantize(inner_tx.init(_arrays_of(params)), init_key)
+        state = quantize(inner_tx.init(arrays_of(params)), init_key)
         if not any(_is_q(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_q)):
             raise ValueError(
                 "quantize_moments: the optimizer's state has no moment array of at least "
@@ -548,7 +526,7 @@ def quantize_moments(
             )
         key, round_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
         given = updates  # the state holds arrays, not NNX Variables (see init)
-        updates, params = _arrays_of(updates), _arrays_of(params)
+        updates, params = arrays_of(updates), arrays_of(params)
         inner_updates, inner_state = inner_tx.update(
             updates, dequantize(state.inner_state), params, **extra_args
         )
@@ -563,6 +541,6 @@ def quantize_moments(
         new_state = QuantizedMomentsState(
             quantize(inner_state, round_key, shadow), jax.random.key_data(key)
         )
-        return _wrapped_like(given, inner_updates), new_state
+        return wrapped_like(given, inner_updates), new_state
 
     return optax.GradientTransformationExtraArgs(init, update)

@@ -17,6 +17,7 @@ import optax
 
 from mpjax._src import loss_scale as ls_lib
 from mpjax._src.dtypes import is_half, is_inexact
+from mpjax._src.half_params import arrays_of
 
 
 class NonFiniteLeaves:
@@ -762,17 +763,9 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     if state.nonfinite is not None:
         found["nonfinite_leaves"] = state.nonfinite.mask
     # Arrays, also from an nnx.Optimizer's state, which wraps each in a Variable.
-    metrics = {k: jnp.asarray(_unwrapped(v)) for k, v in found.items()}
+    metrics = {k: jnp.asarray(arrays_of(v)) for k, v in found.items()}
     metrics["loss_scale"] = metrics["loss_scale"].astype(jnp.float32)
     return metrics
-
-
-def _unwrapped(value: Any) -> Any:
-    """The array an NNX Variable (``nnx.OptArray``) holds, or `value` itself."""
-    get = getattr(value, "get_value", None)
-    if callable(get):
-        return get()
-    return getattr(value, "value", value) if hasattr(value, "get_metadata") else value
 
 
 def nonfinite_leaves(opt_state: Any) -> list[str]:
