@@ -173,8 +173,9 @@ _GROUP = 8
 def _spread(scales: jax.Array, cols: int, block_size: int) -> jax.Array:
     """Block values ``[rows, blocks]`` repeated over their elements: ``[rows, cols]``."""
     rows, blocks = scales.shape
-    wide = jnp.broadcast_to(scales[:, :, None], (rows, blocks, block_size))
-    return wide.reshape(rows, blocks * block_size)[:, :cols]
+    wide = jnp.broadcast_to(jnp.expand_dims(scales, 2), (rows, blocks, block_size))
+    # a slice, not indexing (a gather, which JAX 0.6 refuses under explicit mesh axes)
+    return jax.lax.slice_in_dim(wide.reshape(rows, blocks * block_size), 0, cols, axis=1)
 
 
 class QuantizedMoment:
