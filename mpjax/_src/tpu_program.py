@@ -134,18 +134,13 @@ def on_target(tree: Any, target: str) -> Any:
     )
 
     def place(leaf: Any) -> Any:
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
-            return leaf
         own = getattr(leaf, "sharding", None)
         keep = (
             own is not None
             and {d.id for d in own.device_set} <= ids
             and all(getattr(d, "platform", "") == "tpu" for d in own.device_set)
         )
-        weak = bool(getattr(leaf, "weak_type", False))
-        return jax.ShapeDtypeStruct(
-            leaf.shape, leaf.dtype, sharding=own if keep else replicated, weak_type=weak
-        )
+        return gpu_program._abstract(leaf, own if keep else replicated)  # as for a GPU's
 
     return jax.tree_util.tree_map(place, tree)
 
