@@ -14,6 +14,7 @@ from mpjax._src.gradients import accumulate_gradients, all_reduce_gradients
 from mpjax._src.half_params import HalfUpdatesState, half_updates, stochastic_round
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
+from mpjax._src.levels import LEVELS
 from mpjax._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -25,7 +26,6 @@ from mpjax._src.loss_scale import (
 from mpjax._src.nonfinite import NonFiniteOrigin, find_nonfinite
 from mpjax._src.ops import F32_OPS, LOWER_OPS
 from mpjax._src.policy import (
-    LEVELS,
     Policy,
     cast_to_full,
     cast_to_half,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export  # JAX 0.6 does not load it as an attribute of jax
 
-from mpjax._src import interpret
+from mpjax._src import interpret, levels
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast_api import autocast
 from mpjax._src.policy import Policy
@@ -122,9 +122,9 @@ def convert(fn: Callable[..., Any], params: Any, policy: Policy, *args: Any) -> 
     """
     if not isinstance(policy, Policy):
         raise TypeError(f"convert needs an mpjax.Policy, got {type(policy).__name__}.")
-    if policy.level == "O0" or not policy.half:
+    if not levels.casts(policy):
         return params
-    if policy.level == "O3":
+    if levels.of(policy).all_half:
         return policy.cast_to_param(params)
     half = set(half_param_paths(fn, params, policy, *args))
 
@@ -179,7 +179,7 @@ def save(
     directory = os.fspath(directory)
     if os.path.exists(directory):
         raise ValueError(f"{directory} already exists; exports are never overwritten.")
-    infer = autocast(fn, policy) if policy.level != "O0" else fn
+    infer = autocast(fn, policy) if levels.of(policy).interprets else fn
     specs = jax.tree_util.tree_map(_spec, (params, *args))
     exported = jax_export.export(jax.jit(infer))(*specs)
     os.makedirs(directory)

@@ -29,7 +29,7 @@ from flax import nnx
 from flax.training import train_state
 
 from mpjax._src import fp8 as fp8_lib
-from mpjax._src import hardware, transform
+from mpjax._src import hardware, levels, transform
 from mpjax._src import loss_scale as ls_lib
 from mpjax._src.autocast_api import autocast
 from mpjax._src.fp8 import FP8Policy
@@ -142,7 +142,7 @@ class _Resolver:
         around it: an enclosing interpreter that does not know this wrapper's rules (the one
         of ``mpjax.fp8.scaled_value_and_grad``) then keeps the region in float32 too, out of FP8."""
         rule = self.markers.get(marker)
-        outer = rule is not None and (rule.level == "O0" or not rule.half)
+        outer = rule is not None and not levels.casts(rule)
         with contextlib.ExitStack() as stack:
             if outer:
                 stack.enter_context(jax.named_scope(f"mpjax:{F32_REGION}"))

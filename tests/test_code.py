@@ -135,3 +135,34 @@ def test_the_core_keeps_no_hidden_state():
         source = modules[f"mpjax._src.{name}"].read_text()
         assert "ContextVar" not in source and "contextvars" not in source, name
     assert "ContextVar" in modules["mpjax._src.autocast_api"].read_text()  # the reading works
+
+
+def _level_comparisons(source: str) -> list[int]:
+    """Lines of `source` that compare something with a level's name ("O0".."O3")."""
+    from mpjax._src.levels import LEVELS
+
+    def names_a_level(node: ast.AST) -> bool:
+        return any(
+            isinstance(n, ast.Constant) and n.value in LEVELS
+            for n in ast.walk(node)
+            if not isinstance(n, ast.JoinedStr)
+        )
+
+    return [
+        node.lineno
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Compare) and any(map(names_a_level, [node.left, *node.comparators]))
+    ]
+
+
+def test_no_module_but_the_levels_home_compares_a_level():
+    """What a level means lives in levels.py (one row per level): every other module reads
+    the row's decisions by name, so that changing "O2 but not O1" is changing one cell."""
+    assert _level_comparisons('a = 1\nif p.level in ("O2", "O3"):\n    pass') == [2]
+    assert _level_comparisons('if p.level == "O0" or not p.half:\n    pass') == [1]
+    found = {
+        name: lines
+        for name, path in _modules().items()
+        if name != "mpjax._src.levels" and (lines := _level_comparisons(path.read_text()))
+    }
+    assert not found, found

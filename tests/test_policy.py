@@ -177,11 +177,11 @@ def test_peer_level_names(name, level, half_name):
 
 
 def test_level_names_table_is_complete():
-    from mpjax._src import policy as policy_lib
+    from mpjax._src import levels
 
-    assert policy_lib.LEVEL_NAMES == {"O0": "O0", "O1": "O1", "O2": "O2", "O3": "O3", "auto": "O1"}
+    assert levels.LEVEL_NAMES == {"O0": "O0", "O1": "O1", "O2": "O2", "O3": "O3", "auto": "O1"}
     assert {key.strip().upper() for key in PEER_LEVEL_NAMES} == {
-        name.upper() for name in policy_lib.LEVEL_NAMES
+        name.upper() for name in levels.LEVEL_NAMES
     }
 
 
@@ -215,12 +215,12 @@ def test_get_policy_unknown_name_keeps_jmps_words_and_lists_levels():
 
 
 def test_levels_guide_name_table_matches_from_level():
-    from mpjax._src import policy as policy_lib
+    from mpjax._src import levels
 
     root = pathlib.Path(__file__).resolve().parent.parent
     guide = (root / "docs" / "guides" / "levels.md").read_text()
     rows = re.findall(r'^\| `"([^"]+)"` \| ([^|]+) \|', guide, flags=re.M)
-    assert {name for name, _ in rows} == set(policy_lib.LEVEL_NAMES) | {"OD"}
+    assert {name for name, _ in rows} == set(levels.LEVEL_NAMES) | {"OD"}
     for name, level in rows:
         if level.strip() == "not accepted":
             with pytest.raises(ValueError, match="is not accepted"):

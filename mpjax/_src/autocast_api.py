@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from mpjax._src import hardware
+from mpjax._src import hardware, levels
 from mpjax._src import jax_compat as jc
 from mpjax._src.autocast import Context, eval_jaxpr, trace_body
 from mpjax._src.dtypes import is_float_dtype
@@ -153,7 +153,7 @@ def autocast(
             "also stores params in the policy's dtype and applies per-module rules (or "
             "autocast its apply function: mpjax.autocast(module.apply, policy))."
         )
-    if policy.level == "O0" and not rules:
+    if not levels.of(policy).interprets and not rules:
         return fn
     hardware.warn_if_slow(policy)
     ctx = Context(policy, dict(rules or {}), strict=strict)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from mpjax._src import jax_compat as jc
+from mpjax._src import levels
 from mpjax._src.audit_report import short_source
 from mpjax._src.autocast_api import autocast, flat_call, flax_module_kind, for_shadow
 from mpjax._src.compare_metric import check_metric, metric_name, output_scale, relative_error
@@ -101,7 +102,7 @@ def check_fn(fn: Any, policy: Any, caller: str) -> None:
 def _policy_text(policy: Policy | None) -> str:
     if policy is None:
         return "fn as it runs"
-    if policy.level is not None:
+    if levels.of(policy).name is not None:
         return f"{policy.level} {np.dtype(policy.compute_dtype).name}"
     return str(policy)
 

@@ -16,7 +16,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
-from mpjax._src import autocast_api, interpret, transform, values
+from mpjax._src import autocast_api, interpret, levels, transform, values
 from mpjax._src.fp8_dot import (
     E4M3,
     E5M2,
@@ -202,7 +202,7 @@ class FP8Policy:
                 f"recipe must be mpjax.fp8.DelayedScaling(...) or mpjax.fp8.CurrentScaling(...), "
                 f"got {type(self.recipe).__name__}."
             )
-        if not isinstance(self.base, Policy) or not self.base.half or self.base.level == "O0":
+        if not isinstance(self.base, Policy) or not levels.casts(self.base):
             raise ValueError(
                 "FP8Policy needs a half-precision base policy such as "
                 "mpjax.Policy.from_level('O1', 'bfloat16'); FP8 dots fall back to its half "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -400,6 +401,59 @@ def _stored_state(
     )
 
 
+def _stored_dtype(leaf: Any, state_dtype: np.dtype | None) -> np.dtype:
+    """The dtype a leaf of the inner optimizer's state is kept in: `state_dtype` for float
+    arrays wider than it."""
+    dtype = np.dtype(leaf.dtype)
+    if (
+        state_dtype is not None
+        and jnp.issubdtype(dtype, jnp.floating)
+        and len(leaf.shape) >= 1
+        and dtype.itemsize > state_dtype.itemsize
+    ):
+        return state_dtype
+    return dtype
+
+
+def _widen(params: Any) -> Any:
+    """`params` with their half leaves in float32."""
+    return jax.tree_util.tree_map(lambda p: p.astype(_F32) if is_half(p) else p, params)
+
+
+def _wide(
+    inner_tx: optax.GradientTransformation,
+    treedef: Any,
+    g_leaves: list[Any],
+    stored_state: Any,
+    p_leaves: list[Any],
+) -> tuple[Any, Any, Any, Any]:
+    """What the inner optimizer sees, all float32: (gradients, its state, params), and the
+    state's dtypes as its init makes them (to store it back)."""
+    wide_params = jax.tree_util.tree_unflatten(treedef, [_widen(p) for p in p_leaves])
+    wide_grads = jax.tree_util.tree_unflatten(
+        treedef,
+        [g.astype(_F32) if is_half(p) and is_float(g) else g for g, p in zip(g_leaves, p_leaves)],
+    )
+    reference = jax.eval_shape(inner_tx.init, wide_params)
+    inner_state = jax.tree_util.tree_map(
+        lambda s, ref: s.astype(ref.dtype) if is_float(s) and s.dtype != ref.dtype else s,
+        stored_state,
+        reference,
+    )
+    return wide_grads, inner_state, wide_params, reference
+
+
+def _split_key(key_data: Any, impl: Any) -> tuple[Any, Any, Any]:
+    """(next step's key, the params' rounding key, the state's rounding key), or Nones where
+    the state keeps no key (round to nearest)."""
+    if key_data is None:
+        return None, None, None
+    new_key, param_key, state_key = jax.random.split(
+        jax.random.wrap_key_data(key_data, impl=impl), 3
+    )
+    return new_key, param_key, state_key
+
+
 def half_updates(
     inner: optax.GradientTransformation,
     mode: str = "stochastic",
@@ -491,24 +545,11 @@ def half_updates(
     random = mode == "stochastic" or state_dtype is not None
     key_data, impl = key_and_impl(key)
 
-    def stored_dtype(leaf: Any) -> np.dtype:
-        """The dtype a leaf of `inner`'s state is kept in: `state_dtype` for float arrays."""
-        dtype = np.dtype(leaf.dtype)
-        if (
-            state_dtype is not None
-            and jnp.issubdtype(dtype, jnp.floating)
-            and len(leaf.shape) >= 1
-            and dtype.itemsize > state_dtype.itemsize
-        ):
-            return state_dtype
-        return dtype
-
-    def widen(params: Any) -> Any:
-        return jax.tree_util.tree_map(lambda p: p.astype(_F32) if is_half(p) else p, params)
+    stored_dtype = functools.partial(_stored_dtype, state_dtype=state_dtype)
 
     def init(params: optax.Params) -> HalfUpdatesState:
         _check_half_params(params)
-        inner_state = inner_tx.init(widen(params))
+        inner_state = inner_tx.init(_widen(params))
         inner_state = jax.tree_util.tree_map(
             lambda s: s.astype(stored_dtype(s)) if is_float(s) else s, inner_state
         )
@@ -530,34 +571,14 @@ def half_updates(
         **extra_args: Any,
     ) -> tuple[optax.Updates, HalfUpdatesState]:
         p_leaves, treedef, g_leaves = _update_leaves(updates, state, params)
-
-        # Everything the inner optimizer sees is float32: gradients, params, its state.
-        wide_params = jax.tree_util.tree_unflatten(treedef, [widen(p) for p in p_leaves])
-        wide_grads = jax.tree_util.tree_unflatten(
-            treedef,
-            [
-                g.astype(_F32) if is_half(p) and is_float(g) else g
-                for g, p in zip(g_leaves, p_leaves)
-            ],
-        )
-        reference = jax.eval_shape(inner_tx.init, wide_params)
-        inner_state = jax.tree_util.tree_map(
-            lambda s, ref: s.astype(ref.dtype) if is_float(s) and s.dtype != ref.dtype else s,
-            state.inner_state,
-            reference,
+        wide_grads, inner_state, wide_params, reference = _wide(
+            inner_tx, treedef, g_leaves, state.inner_state, p_leaves
         )
         inner_updates, inner_state = inner_tx.update(
             wide_grads, inner_state, wide_params, **extra_args
         )
         u_leaves = up_to(treedef, inner_updates)
-
-        new_key: Any = None
-        param_key: Any = None
-        state_key: Any = None
-        if state.key is not None:
-            new_key, param_key, state_key = jax.random.split(
-                jax.random.wrap_key_data(state.key, impl=impl), 3
-            )
+        new_key, param_key, state_key = _split_key(state.key, impl)
         c_leaves = up_to(treedef, state.compensation) if state.compensation is not None else None
         out_u, out_c = _rounded_updates(mode, p_leaves, u_leaves, c_leaves, param_key)
         if state_dtype is not None:

@@ -12,32 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpjax._src import levels, ops
 from mpjax._src import loss_scale as loss_scale_lib
-from mpjax._src import ops
 
 T = TypeVar("T")
-
-LEVELS = ("O0", "O1", "O2", "O3")
-
-# Every level name mpjax accepts (any case, as Paddle's upper()) -> its mpjax level. apex,
-# Paddle and MindSpore share O0-O3; MindSpore's auto_mixed_precision(net, "auto") runs the
-# white list in half, the black list in float32 and the rest in their widest input: O1.
-LEVEL_NAMES: dict[str, str] = {"O0": "O0", "O1": "O1", "O2": "O2", "O3": "O3", "auto": "O1"}
-_LEVEL_KEYS = {name.upper(): level for name, level in LEVEL_NAMES.items()}
-_ACCEPTED = ", ".join(f"'{name}'" for name in LEVEL_NAMES)
-
-# Peer names that mean no mpjax level: each refusal says why and what comes closest.
-_UNMAPPED_LEVELS = {
-    "OD": (
-        "Paddle's 'OD' (like MindSpore's own 'O1') runs only the white list (matmul, conv) in "
-        "half and every other op in float32, and mpjax has no such level. The closest is 'O1', "
-        "where ops outside both lists follow their inputs."
-    ),
-    "AUTOCAST": (
-        "torch has no level names, but torch.autocast's rule is mpjax's 'O1' (lower list in "
-        "half, float32 list in float32, the rest in their widest input)."
-    ),
-}
 
 # jmp's name table, so that get_policy accepts exactly what jmp accepts.
 _DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
@@ -192,26 +170,7 @@ def cast_floating(tree: T, dtype: Any) -> T:
 _cast_floating_to = cast_floating
 
 
-def _check_level(level: str) -> str:
-    if not isinstance(level, str):
-        raise TypeError(
-            f"level must be a string such as 'O2', got {type(level).__name__} {level!r}."
-        )
-    key = level.strip().upper()
-    if key in _LEVEL_KEYS:
-        return _LEVEL_KEYS[key]
-    if key in _UNMAPPED_LEVELS:
-        raise ValueError(
-            f"Level {level!r} is not accepted: {_UNMAPPED_LEVELS[key]} Accepted level names "
-            f"(any case): {_ACCEPTED}."
-        )
-    hint = ""
-    if key.startswith("0") and key[1:] in ("0", "1", "2", "3"):
-        hint = f" Did you mean 'O{key[1:]}' (the letter O, as in apex)?"
-    raise ValueError(
-        f"Unknown level {level!r}: use one of {_ACCEPTED} (any case); 'auto' is MindSpore's "
-        f"name for O1.{hint}"
-    )
+_check_level = levels.check_name
 
 
 _warned_bfloat16_scaling = False
@@ -591,26 +550,16 @@ class Policy:
           >>> str(mpjax.Policy.from_level("O2", "bfloat16", master_weights=False))
           'p=bf16,c=bf16,o=full,level=O2'
         """
-        if loss_scale is not None:
-            if loss_scaling is not None:
-                raise TypeError(
-                    "from_level got both loss_scaling= and loss_scale= (its old name); pass "
-                    "loss_scaling= only."
-                )
-            warnings.warn(
-                "Policy.from_level(loss_scale=...) is renamed loss_scaling=, the name of the "
-                "Policy field it sets (one name per job); loss_scale= goes in the next release.",
-                FutureWarning,
-                stacklevel=2,
-            )
-            loss_scaling = loss_scale
+        loss_scaling = _renamed_loss_scale(loss_scaling, loss_scale)
         level = _check_level(level)
+        row = levels.LEVEL_ROWS[level]
         half = (
             canonical_float_dtype(half_dtype, "half_dtype")
             if half_dtype is not None
             else _backend_half_dtype()
         )
-        if half not in _HALF_DTYPES and not (level == "O0" and half == np.float32):
+        f32 = np.dtype(np.float32)
+        if half not in _HALF_DTYPES and not (not row.computes_half and half == f32):
             raise ValueError(
                 f"half_dtype must be float16 or bfloat16, got {half}; for full precision use "
                 "level 'O0'." + _float8_hint(half)
@@ -618,61 +567,55 @@ class Policy:
         lower_extra = ops.check_op_names(lower_ops, "lower_ops")
         f32_extra = ops.check_op_names(f32_ops, "f32_ops")
         ops.check_disjoint(lower_extra, f32_extra)
-        f32 = np.dtype(np.float32)
-
-        def reject(what: str, why: str) -> None:
-            raise ValueError(f"{what} makes no sense at {level}: {why}")
-
-        if level == "O0":
-            for what, value in [
-                ("lower_ops", lower_extra),
-                ("f32_ops", f32_extra),
-                ("master_weights", master_weights),
-            ]:
-                if value:
-                    reject(what, "O0 runs everything in float32. Pick O1 or O2 to use half.")
-            if keep_norm_fp32 is False:
-                reject("keep_norm_fp32=False", "O0 runs everything in float32.")
+        given = {
+            "lower_ops": bool(lower_extra),
+            "f32_ops": bool(f32_extra),
+            "master_weights": master_weights is not None,
+            "keep_norm_fp32=False": keep_norm_fp32 is False,
+        }
+        for what, why in row.refuses.items():
+            if given[what]:
+                raise ValueError(f"{what} makes no sense at {level}: {why}")
+        if not row.computes_half:
             return cls(
                 f32,
                 f32,
                 f32,
-                level="O0",
+                level=level,
                 keep_norm_fp32=True,
                 loss_scaling=loss_scaling,
                 reduce_dtype=reduce_dtype,
             )
-
-        if level == "O1" and master_weights is not None:
-            reject(
-                "master_weights",
-                "O1 already stores float32 params and casts per op; use O2 for float32 master "
-                "weights with half compute.",
-            )
-        if level == "O3" and lower_extra:
-            reject("lower_ops", "O3 already runs every op in half.")
-
-        lower_default = ops.LOWER_OPS
-        f32_default = frozenset() if level == "O3" else ops.F32_OPS
-        if level == "O3":
-            param = f32 if master_weights else half
-            output = half
-        else:
-            param = half if master_weights is False else f32
-            output = f32
-        if keep_norm_fp32 is None:
-            keep_norm_fp32 = level != "O3"
+        stores_half = master_weights is False or (row.all_half and not master_weights)
         return cls(
-            param,
+            half if stores_half else f32,
             half,
-            output,
+            half if row.all_half else f32,
             level=level,
-            lower_ops=(lower_default | lower_extra) - f32_extra,
-            f32_ops=(f32_default | f32_extra) - lower_extra,
-            keep_norm_fp32=bool(keep_norm_fp32),
+            lower_ops=(ops.LOWER_OPS | lower_extra) - f32_extra,
+            f32_ops=((ops.F32_OPS if row.f32_list else frozenset()) | f32_extra) - lower_extra,
+            keep_norm_fp32=bool(row.norms_f32 if keep_norm_fp32 is None else keep_norm_fp32),
             loss_scaling=loss_scaling,
             reduce_dtype=reduce_dtype,
         )
+
+
+def _renamed_loss_scale(loss_scaling: Any, loss_scale: Any) -> Any:
+    """from_level's loss_scaling=, given by its old name loss_scale= (one release, warned)."""
+    if loss_scale is None:
+        return loss_scaling
+    if loss_scaling is not None:
+        raise TypeError(
+            "from_level got both loss_scaling= and loss_scale= (its old name); pass "
+            "loss_scaling= only."
+        )
+    warnings.warn(
+        "Policy.from_level(loss_scale=...) is renamed loss_scaling=, the name of the "
+        "Policy field it sets (one name per job); loss_scale= goes in the next release.",
+        FutureWarning,
+        stacklevel=3,
+    )
+    return loss_scale
 
 
 _JMP_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
@@ -731,7 +674,7 @@ def get_policy(policy_name: str) -> Policy:
             f"{type(policy_name).__name__}; build a Policy(...) directly from dtypes instead."
         )
     key = policy_name.strip().upper()
-    if key in _LEVEL_KEYS or key in _UNMAPPED_LEVELS:
+    if levels.names_a_level(key):
         return Policy.from_level(policy_name)
     if key in _KERAS_NAMES:
         # Keras's mixed policies: float32 variables cast to half per layer, norms upcast, the
@@ -763,7 +706,7 @@ def get_policy(policy_name: str) -> Policy:
         try:
             param_dtype = compute_dtype = output_dtype = parse_dtype(policy_name)
         except ValueError as e:  # jmp's words first, then the level names jmp does not have
-            raise ValueError(f"{e} A level name is accepted too: {_ACCEPTED}.") from None
+            raise ValueError(f"{e} A level name is accepted too: {levels.ACCEPTED}.") from None
     if level is None:
         return Policy(param_dtype, compute_dtype, output_dtype, reduce_dtype=reduce_dtype)
     return _level_with(level, param_dtype, compute_dtype, output_dtype, reduce_dtype)
@@ -772,7 +715,9 @@ def get_policy(policy_name: str) -> Policy:
 def _level_with(level: str, params: Any, compute: Any, output: Any, reduce: Any) -> Policy:
     """The policy a level's str names (half params: O2 without masters)."""
     half = None if np.dtype(compute) == np.float32 else compute
-    masters = None if np.dtype(params) == np.float32 or level.upper() == "O3" else False
+    # a level whose params are half by default (O3) needs no master_weights=False to say so
+    stores_half = levels.LEVEL_ROWS[levels.check_name(level)].all_half
+    masters = None if np.dtype(params) == np.float32 or stores_half else False
     policy = Policy.from_level(level, half, reduce_dtype=reduce, master_weights=masters)
     same = np.dtype(policy.output_dtype) == np.dtype(output)
     return policy if same else dataclasses.replace(policy, output_dtype=output)

@@ -379,6 +379,55 @@ def _format(value: Any, which: str) -> str:
     )
 
 
+class _Codec(NamedTuple):
+    """Which leaves of an optimizer's state quantize_moments keeps in 8 bits, and how."""
+
+    block_size: int
+    min_size: int
+    first_fmt: str
+    second_fmt: str
+
+    def moment(self, path: tuple[Any, ...], leaf: Any) -> str | None:
+        """The moment field `leaf` is (``mu``, ``nu``, ...), or None to keep it as it is."""
+        field = _field(path)
+        big = is_float(leaf) and np.prod(np.shape(leaf)) >= self.min_size
+        # a leaf sharded over explicit axes other than its first has no local block view
+        return field if big and _view(leaf, self.block_size) is not None else None
+
+    def quantize(self, tree: Any, key: jax.Array, shadow: Any = None) -> Any:
+        """`tree` with its moments quantized; their block scales from `shadow`'s twins of
+        them where given (see quantize_moments' `recompute`)."""
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        twins = [None] * len(leaves) if shadow is None else up_to(treedef, shadow)
+        fmts: dict[int, str] = {}
+        groups: dict[Any, list[int]] = {}
+        mags: dict[int, jax.Array] = {}
+        for i, ((path, leaf), twin) in enumerate(zip(leaves, twins, strict=True)):
+            field = self.moment(path, leaf)
+            if field is None:
+                continue
+            fmts[i] = self.first_fmt if field in FIRST else self.second_fmt
+            source = leaf if twin is None else twin
+            mags[i] = _magnitudes(source, FORMATS[fmts[i]], self.block_size)
+            groups.setdefault((np.shape(leaf), mags[i].shape), []).append(i)
+        scales = _group_scales(groups, mags, self.block_size)
+        out = []
+        for i, (_, leaf) in enumerate(leaves):
+            if i not in fmts:
+                out.append(leaf)
+                continue
+            k = jax.random.fold_in(key, i)
+            out.append(QuantizedMoment.quantize(leaf, fmts[i], block_size=self.block_size, key=k,
+                                                scales=scales[i]))  # fmt: skip
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    @staticmethod
+    def dequantize(tree: Any) -> Any:
+        """`tree` with its quantized moments in float32."""
+        return jax.tree_util.tree_map(lambda x: x.dequantize() if _is_q(x) else x, tree,
+                                      is_leaf=_is_q)  # fmt: skip
+
+
 def quantize_moments(
     inner: optax.GradientTransformation,
     *,
@@ -460,42 +509,9 @@ def quantize_moments(
     for name, value in (("block_size", block_size), ("min_size", min_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"quantize_moments: {name} must be a positive int, got {value!r}.")
-    first_fmt, second_fmt = _format(first, "first"), _format(second, "second")
+    codec = _Codec(block_size, min_size, _format(first, "first"), _format(second, "second"))
     key_data, impl = key_and_impl(key)
-
-    def moment(path: tuple[Any, ...], leaf: Any) -> str | None:
-        field = _field(path)
-        big = is_float(leaf) and np.prod(np.shape(leaf)) >= min_size
-        # a leaf sharded over explicit axes other than its first has no local block view
-        return field if big and _view(leaf, block_size) is not None else None
-
-    def quantize(tree: Any, key: jax.Array, shadow: Any = None) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        twins = [None] * len(leaves) if shadow is None else up_to(treedef, shadow)
-        fmts: dict[int, str] = {}
-        groups: dict[Any, list[int]] = {}
-        mags: dict[int, jax.Array] = {}
-        for i, ((path, leaf), twin) in enumerate(zip(leaves, twins, strict=True)):
-            field = moment(path, leaf)
-            if field is None:
-                continue
-            fmts[i] = first_fmt if field in FIRST else second_fmt
-            mags[i] = _magnitudes(leaf if twin is None else twin, FORMATS[fmts[i]], block_size)
-            groups.setdefault((np.shape(leaf), mags[i].shape), []).append(i)
-        scales = _group_scales(groups, mags, block_size)
-        out = []
-        for i, (_, leaf) in enumerate(leaves):
-            if i not in fmts:
-                out.append(leaf)
-                continue
-            k = jax.random.fold_in(key, i)
-            out.append(QuantizedMoment.quantize(leaf, fmts[i], block_size=block_size, key=k,
-                                                scales=scales[i]))  # fmt: skip
-        return jax.tree_util.tree_unflatten(treedef, out)
-
-    def dequantize(tree: Any) -> Any:
-        return jax.tree_util.tree_map(lambda x: x.dequantize() if _is_q(x) else x, tree,
-                                      is_leaf=_is_q)  # fmt: skip
+    quantize, dequantize = codec.quantize, codec.dequantize
 
     def init(params: optax.Params) -> QuantizedMomentsState:
         key = jax.random.wrap_key_data(jnp.asarray(key_data), impl=impl)

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from mpjax._src import jax_compat as jc
-from mpjax._src import ops
+from mpjax._src import levels, ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype, max_exponent
 from mpjax._src.ops import Trait
 from mpjax._src.policy import Policy
@@ -117,7 +117,7 @@ def may_exceed(known: Any, dtype: np.dtype) -> bool:
 
 def op_lists(mode: Mode) -> tuple[frozenset[str], frozenset[str]]:
     """The (lower, f32) op lists in force under `mode`."""
-    if isinstance(mode, Policy) and mode.half and mode.level != "O0":
+    if isinstance(mode, Policy) and levels.casts(mode):
         return mode.lower_ops, mode.f32_ops
     return frozenset(), frozenset()
 
@@ -129,19 +129,19 @@ def saturates_fills(mode: Mode) -> TypeGuard[Policy]:
     """Whether a fill's constant beyond the half's range is clamped to it (see
     Values.saturate_fills): at O3 the program runs as if written in half, where
     ``jnp.where(mask, x, finfo(dtype).min)`` fills with the half's minimum."""
-    return isinstance(mode, Policy) and mode.level == "O3" and mode.half
+    return isinstance(mode, Policy) and mode.half and levels.of(mode).all_half
 
 
 def moves_half(mode: Mode) -> TypeGuard[Policy]:
     """Whether data movement of a float32 value also makes its half twin (see Values.move),
     so that a consumer casting it down moves half bytes, as ``.astype`` before it would."""
-    return isinstance(mode, Policy) and mode.half and mode.level != "O0"
+    return isinstance(mode, Policy) and levels.casts(mode)
 
 
 def looks_up_half(mode: Mode) -> TypeGuard[Policy]:
     """Whether a lookup in a param table takes its rows in half even where a float32 op takes
     them (a norm): at O2/O3, where params are half, as apex casts the model."""
-    return isinstance(mode, Policy) and mode.half and mode.level in ("O2", "O3")
+    return isinstance(mode, Policy) and mode.half and levels.of(mode).casts_model
 
 
 class WideSums(NamedTuple):
@@ -167,8 +167,8 @@ class WideSums(NamedTuple):
         policy = mode if isinstance(mode, Policy) else None
         if policy is None or not policy.half:
             return cls(False, False)
-        activations = policy.level in ("O1", "O2")
-        grads = not in_rule and policy.level != "O0" and policy.gradient_dtype.itemsize >= 4
+        activations = levels.of(policy).widens_activation_sums
+        grads = not in_rule and levels.casts(policy) and policy.gradient_dtype.itemsize >= 4
         return cls(activations, grads, activations and not in_rule)
 
 
@@ -287,7 +287,7 @@ def target_dtype(
     if mode == "f32" or mode == "half":
         return _region_decision(name, mode, base, full, [(held[i], static[i]) for i in floats_at])
     policy: Policy = mode
-    if policy.level == "O0" or not policy.half:
+    if not levels.casts(policy):
         return Decision(Action.CAST, full)
     if all(static):
         return Decision(Action.TRACED)  # constants, index arithmetic, random numbers: as traced
@@ -388,11 +388,12 @@ def _follow_target(
     name: str, policy: Policy, floats: list[_Operand], full: Any, bias_add: bool
 ) -> tuple[Any, int]:
     """(dtype, hold) of an op that follows its inputs (not on an op list), by level."""
-    if policy.level == "O1" and bias_add:
+    per_op = levels.of(policy).per_op
+    if per_op and bias_add:
         # A matmul's bias is part of it, as in torch's nn.Linear and F.conv under autocast:
         # the half result stays half, instead of promoting every activation to float32.
         return np.dtype(policy.compute_dtype), Hold.NONE
-    if policy.level == "O1":
+    if per_op:
         strong = [f for f in floats if not f.weak] or floats
         return _widest([f.dtype for f in strong]), Hold.NONE
     kinds = [f.held for f in floats if not f.weak and not f.static]
