@@ -201,46 +201,12 @@ def find_f32_rules(
         raise ValueError(f"by must be 'auto', 'modules' or 'ops', got {by!r}.")
     base = run_compare(fn, policy, args, metric)
     report = base.report
-    if by == "auto":
-        by = "modules" if report.modules else "ops"
-    if by == "ops" and policy is None:
-        raise ValueError(
-            "find_f32_rules with policy=None searches the module paths of models wrapped by "
-            "mpjax.flax.wrap, and fn runs none; pass the policy to search op kinds: "
-            "find_f32_rules(fn, mpjax.Policy.from_level('O2'), *args, tol=...)."
-        )
-    if by == "modules":
-        candidates = [(m.module, m.local_error) for m in report.modules]
-        if not candidates:
-            raise ValueError(
-                "by='modules', but fn runs no Flax module this can name (linen modules, or "
-                "NNX modules wrapped by mpjax.flax.wrap); use by='ops' with a policy."
-            )
-    else:
-        assert policy is not None
-        candidates = _op_candidates(report, policy)
-
-    trials: dict[frozenset[str], tuple[float, Program]] = {}
-
-    def trial(chosen: frozenset[str]) -> float:
-        if chosen not in trials:
-            if by == "modules":
-                program = trace_program(fn, policy, args, chosen)
-            else:
-                assert policy is not None
-                program = trace_program(fn, _with_f32_ops(policy, chosen), args, frozenset())
-            outs = jax.jit(jc.jaxpr_as_fun(program.closed))(*program.dyn)
-            err = max(
-                relative_error(outs[i], r, metric, base.scale)
-                for i, r in zip(base.floats, base.ref, strict=True)
-            )
-            trials[chosen] = (err, program)
-        return trials[chosen][0]
-
+    by, candidates = _candidates(by, report, policy)
+    trials = _Trials(fn, policy, args, by, base, metric)
     names = [c for c, _ in candidates]
-    baseline = trial(frozenset())
-    chosen = _smallest_set(names, trial, tol) if baseline > tol and names else frozenset()
-    error = trial(chosen)
+    baseline = trials(frozenset())
+    chosen = _smallest_set(names, trials, tol) if baseline > tol and names else frozenset()
+    error = trials(chosen)
 
     def share(program: Program) -> float:
         total, f32 = count_flops(program.closed.jaxpr)
@@ -265,12 +231,64 @@ def find_f32_rules(
         baseline_error=baseline,
         tol=tol,
         metric=metric_name(metric),
-        f32_flop_share=share(trials[chosen][1]),
-        baseline_f32_flop_share=share(trials[frozenset()][1]),
+        f32_flop_share=share(trials.programs[chosen]),
+        baseline_f32_flop_share=share(trials.programs[frozenset()]),
         candidates=tuple(candidates),
-        evaluations=len(trials),
+        evaluations=len(trials.errors),
         report=report,
     )
+
+
+def _candidates(by: str, report: Any, policy: Policy | None) -> tuple[str, list[Any]]:
+    """What the search chooses from, ("modules" or "ops", [(name, local error)])."""
+    if by == "auto":
+        by = "modules" if report.modules else "ops"
+    if by == "ops" and policy is None:
+        raise ValueError(
+            "find_f32_rules with policy=None searches the module paths of models wrapped by "
+            "mpjax.flax.wrap, and fn runs none; pass the policy to search op kinds: "
+            "find_f32_rules(fn, mpjax.Policy.from_level('O2'), *args, tol=...)."
+        )
+    if by == "ops":
+        assert policy is not None
+        return by, _op_candidates(report, policy)
+    candidates = [(m.module, m.local_error) for m in report.modules]
+    if not candidates:
+        raise ValueError(
+            "by='modules', but fn runs no Flax module this can name (linen modules, or "
+            "NNX modules wrapped by mpjax.flax.wrap); use by='ops' with a policy."
+        )
+    return by, candidates
+
+
+class _Trials:
+    """The search's evaluations: the error of `fn` with a set of candidates in float32, each
+    set traced and run once."""
+
+    def __init__(
+        self, fn: Any, policy: Policy | None, args: Any, by: str, base: Any, metric: Any
+    ) -> None:
+        self.fn, self.policy, self.args, self.by = fn, policy, args, by
+        self.base, self.metric = base, metric
+        self.errors: dict[frozenset[str], float] = {}
+        self.programs: dict[frozenset[str], Program] = {}
+
+    def __call__(self, chosen: frozenset[str]) -> float:
+        if chosen not in self.errors:
+            if self.by == "modules":
+                program = trace_program(self.fn, self.policy, self.args, chosen)
+            else:
+                assert self.policy is not None
+                policy = _with_f32_ops(self.policy, chosen)
+                program = trace_program(self.fn, policy, self.args, frozenset())
+            outs = jax.jit(jc.jaxpr_as_fun(program.closed))(*program.dyn)
+            base = self.base
+            self.errors[chosen] = max(
+                relative_error(outs[i], r, self.metric, base.scale)
+                for i, r in zip(base.floats, base.ref, strict=True)
+            )
+            self.programs[chosen] = program
+        return self.errors[chosen]
 
 
 def _op_candidates(report: Any, policy: Policy) -> list[tuple[str, float]]:

@@ -140,6 +140,20 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
     if len(outs) != 1:
         return None
     made = {u: e for e in run for u in e.outvars}
+    scores = _softmax_scores(made, outs[0])
+    if scores is None:
+        return None
+    z, axes = scores
+    affine = _affine_prefix(made, run, ins, z)
+    if affine is None:
+        return None
+    differentiable, prefix = affine
+    return _Softmax(z, axes, differentiable, prefix)
+
+
+def _softmax_scores(made: dict[Any, Any], out: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """(z, axes) where `out` is a half cast of ``exp(z - m) / sum(exp(z - m), axes)`` with
+    `m` constant along `axes`, else None."""
 
     def src(v: Any) -> Any:
         return _unnamed(made, v)
@@ -148,7 +162,7 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
         e = made.get(src(v)) if not isinstance(v, jc.Literal) else None
         return e if e is not None and e.primitive.name == name else None
 
-    cast = made.get(outs[0])
+    cast = made.get(out)
     if cast is None or not _is_half_cast(cast, up=False):
         return None
     div = eqn(cast.invars[0], "div")
@@ -176,8 +190,15 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
     z = src(sub.invars[0])
     if isinstance(z, jc.Literal) or tuple(z.aval.shape) != tuple(shape):
         return None
-    # z affine in the float inputs it depends on: each op on the way an affine one, at most one
-    # of its operands carrying them (a select's predicate and fill do not).
+    return z, axes
+
+
+def _affine_prefix(
+    made: dict[Any, Any], run: list[Any], ins: list[Any], z: Any
+) -> tuple[list[Any], list[Any]] | None:
+    """(the region's inputs `z` is affine in, the equations computing `z` from them), where
+    each op on the way is affine, at most one of its operands carrying them (a select's
+    predicate and fill do not); else None."""
     carries: dict[Any, bool] = {v: is_float_dtype(v.aval.dtype) for v in ins}
     for e in run:
         got = [not isinstance(u, jc.Literal) and carries.get(u, False) for u in e.invars]
@@ -196,9 +217,9 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
         if name != "select_n" and sum(got) > 1:
             return None
     differentiable = [v for v in ins if carries.get(v) and v in _reads(prefix, z)]
-    if any(tuple(v.aval.shape) != tuple(shape) for v in differentiable):
+    if any(tuple(v.aval.shape) != tuple(z.aval.shape) for v in differentiable):
         return None
-    return _Softmax(z, axes, differentiable, prefix)
+    return differentiable, prefix
 
 
 def _ancestors(made: dict[Any, Any], v: Any) -> list[Any]:

@@ -318,6 +318,56 @@ _STATIC_FIELDS = (
 )
 
 
+def _check_start(loss_scale: Any) -> None:
+    """DynamicLossScale's first scale: warns as jmp does (zero, an int) at the user's line."""
+    if _is_concrete(loss_scale):
+        value = scalar_setting(loss_scale, "loss_scale", jmp_warning=True, stacklevel=4)
+        _warn_if_zero(value, "loss_scale", 4)
+    elif jnp.issubdtype(loss_scale.dtype, jnp.integer):
+        _warn_if_not_floating(loss_scale.dtype, "loss_scale", 4)
+    elif not jnp.issubdtype(loss_scale.dtype, jnp.floating):
+        raise TypeError(f"loss_scale must be a float, got dtype {loss_scale.dtype}.")
+
+
+def _check_factors(factor: Any, growth_factor: Any, backoff_factor: Any) -> float:
+    """The growth factor (torch's `growth_factor`, else jmp's `factor`), after checking that
+    the scale can grow back and shrink on overflow."""
+    factor_f = float(factor)
+    growth = float(growth_factor) if growth_factor is not None else factor_f
+    if not math.isfinite(growth) or growth <= 1:
+        raise ValueError(
+            f"growth factor must be > 1 (the scale has to grow back), got {growth}; "
+            "torch and jmp use 2."
+        )
+    if backoff_factor is None:
+        if not factor_f > 1:
+            raise ValueError(f"factor must be > 1, got {factor_f}; jmp and torch use 2.")
+    elif not 0 < float(backoff_factor) < 1:
+        raise ValueError(
+            f"backoff_factor must be in (0, 1) (the scale has to shrink on overflow), got "
+            f"{backoff_factor}; torch uses 0.5."
+        )
+    return growth
+
+
+def _check_range(scale: Any, min_f: float, max_f: float) -> None:
+    """The bounds hold each other and a known first scale."""
+    if not max_f >= min_f:
+        raise ValueError(f"max_loss_scale ({max_f}) must be >= min_loss_scale ({min_f}).")
+    if _is_concrete(scale) and float(scale) > max_f:
+        raise ValueError(
+            f"loss_scale {float(scale)} is above max_loss_scale {max_f}; "
+            "raise max_loss_scale or start lower."
+        )
+    if _is_concrete(scale) and 0 < float(scale) < min_f:
+        # jmp accepts this, and its first overflow then raises the scale to the minimum.
+        raise ValueError(
+            f"min_loss_scale {min_f} is above loss_scale {float(scale)}: an overflow "
+            "would raise the scale to the minimum instead of lowering it. Start at or "
+            "above the minimum, or lower min_loss_scale."
+        )
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class DynamicLossScale:
     """Dynamic loss scaling: the largest scale that keeps gradients finite.
@@ -394,49 +444,15 @@ class DynamicLossScale:
         max_loss_scale: float = 2.0**24,
         bad_steps: Any = None,
     ):
-        if _is_concrete(loss_scale):
-            _warn_if_zero(
-                scalar_setting(loss_scale, "loss_scale", jmp_warning=True), "loss_scale", 3
-            )
-        elif jnp.issubdtype(loss_scale.dtype, jnp.integer):
-            _warn_if_not_floating(loss_scale.dtype, "loss_scale", 3)
-        elif not jnp.issubdtype(loss_scale.dtype, jnp.floating):
-            raise TypeError(f"loss_scale must be a float, got dtype {loss_scale.dtype}.")
+        _check_start(loss_scale)
         min_f = scalar_setting(min_loss_scale, "min_loss_scale", jmp_warning=True)
         period_i = _check_period(period)
         if not isinstance(hysteresis, (int, np.integer)) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an int >= 1, got {hysteresis!r}.")
-        factor_f = float(factor)
-        growth = float(growth_factor) if growth_factor is not None else factor_f
-        if not math.isfinite(growth) or growth <= 1:
-            raise ValueError(
-                f"growth factor must be > 1 (the scale has to grow back), got {growth}; "
-                "torch and jmp use 2."
-            )
-        if backoff_factor is None:
-            if not factor_f > 1:
-                raise ValueError(f"factor must be > 1, got {factor_f}; jmp and torch use 2.")
-        elif not 0 < float(backoff_factor) < 1:
-            raise ValueError(
-                f"backoff_factor must be in (0, 1) (the scale has to shrink on overflow), got "
-                f"{backoff_factor}; torch uses 0.5."
-            )
+        growth = _check_factors(factor, growth_factor, backoff_factor)
         max_f = float(max_loss_scale)
-        if not max_f >= min_f:
-            raise ValueError(f"max_loss_scale ({max_f}) must be >= min_loss_scale ({min_f}).")
         scale_f32 = jnp.asarray(loss_scale, jnp.float32)
-        if _is_concrete(scale_f32) and float(scale_f32) > max_f:
-            raise ValueError(
-                f"loss_scale {float(scale_f32)} is above max_loss_scale {max_f}; "
-                "raise max_loss_scale or start lower."
-            )
-        if _is_concrete(scale_f32) and 0 < float(scale_f32) < min_f:
-            # jmp accepts this, and its first overflow then raises the scale to the minimum.
-            raise ValueError(
-                f"min_loss_scale {min_f} is above loss_scale {float(scale_f32)}: an overflow "
-                "would raise the scale to the minimum instead of lowering it. Start at or "
-                "above the minimum, or lower min_loss_scale."
-            )
+        _check_range(scale_f32, min_f, max_f)
         values = {
             "loss_scale": scale_f32,
             "counter": jnp.asarray(0 if counter is None else counter, jnp.int32),

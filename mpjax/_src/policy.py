@@ -559,11 +559,7 @@ class Policy:
             else _backend_half_dtype()
         )
         f32 = np.dtype(np.float32)
-        if half not in _HALF_DTYPES and not (not row.computes_half and half == f32):
-            raise ValueError(
-                f"half_dtype must be float16 or bfloat16, got {half}; for full precision use "
-                "level 'O0'." + _float8_hint(half)
-            )
+        _check_half_dtype(half, row)
         lower_extra = ops.check_op_names(lower_ops, "lower_ops")
         f32_extra = ops.check_op_names(f32_ops, "f32_ops")
         ops.check_disjoint(lower_extra, f32_extra)
@@ -597,6 +593,15 @@ class Policy:
             keep_norm_fp32=bool(row.norms_f32 if keep_norm_fp32 is None else keep_norm_fp32),
             loss_scaling=loss_scaling,
             reduce_dtype=reduce_dtype,
+        )
+
+
+def _check_half_dtype(half: np.dtype, row: levels.Level) -> None:
+    """from_level's half dtype: float16 or bfloat16 (float32 too at a level in float32)."""
+    if half not in _HALF_DTYPES and not (not row.computes_half and half == np.float32):
+        raise ValueError(
+            f"half_dtype must be float16 or bfloat16, got {half}; for full precision use "
+            "level 'O0'." + _float8_hint(half)
         )
 
 

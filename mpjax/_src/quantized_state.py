@@ -428,6 +428,25 @@ class _Codec(NamedTuple):
                                       is_leaf=_is_q)  # fmt: skip
 
 
+def _check_has_moments(state: Any, min_size: int) -> None:
+    if not any(_is_q(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_q)):
+        raise ValueError(
+            "quantize_moments: the optimizer's state has no moment array of at least "
+            f"min_size={min_size} elements to keep in 8 bits (it quantizes Adam's mu and "
+            "nu, Lion's mu, SGD momentum's trace, Adafactor's v). An optimizer without "
+            "moments, such as optax.sgd(lr), needs no wrapping; for small models pass a "
+            "smaller min_size."
+        )
+
+
+def _check_state(state: Any) -> None:
+    if not isinstance(state, QuantizedMomentsState):
+        raise TypeError(
+            f"quantize_moments().update got a state of type {type(state).__name__}; pass "
+            "the state that this transformation's init returned."
+        )
+
+
 def quantize_moments(
     inner: optax.GradientTransformation,
     *,
@@ -520,14 +539,7 @@ def quantize_moments(
         # one: a moment built inside a Param would be wrapped whole, and Flax would then
         # store it back as its parts. From the arrays, each part is wrapped on its own.
         state = quantize(inner_tx.init(arrays_of(params)), init_key)
-        if not any(_is_q(x) for x in jax.tree_util.tree_leaves(state, is_leaf=_is_q)):
-            raise ValueError(
-                "quantize_moments: the optimizer's state has no moment array of at least "
-                f"min_size={min_size} elements to keep in 8 bits (it quantizes Adam's mu and "
-                "nu, Lion's mu, SGD momentum's trace, Adafactor's v). An optimizer without "
-                "moments, such as optax.sgd(lr), needs no wrapping; for small models pass a "
-                "smaller min_size."
-            )
+        _check_has_moments(state, min_size)
         return QuantizedMomentsState(state, jax.random.key_data(next_key))
 
     def update(
@@ -536,11 +548,7 @@ def quantize_moments(
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, QuantizedMomentsState]:
-        if not isinstance(state, QuantizedMomentsState):
-            raise TypeError(
-                f"quantize_moments().update got a state of type {type(state).__name__}; pass "
-                "the state that this transformation's init returned."
-            )
+        _check_state(state)
         key, round_key = jax.random.split(jax.random.wrap_key_data(state.key, impl=impl))
         given = updates  # the state holds arrays, not NNX Variables (see init)
         updates, params = arrays_of(updates), arrays_of(params)

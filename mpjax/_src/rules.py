@@ -306,26 +306,32 @@ def target_dtype(
     if name in f32 or (name not in lower and fouts and all(f.f32_only for f in out_flags)):
         # f32-list ops and the elementwise producers feeding only them
         return Decision(Action.CAST, full, Hold.STAT)
-    hold: int = Hold.NONE
     if name in lower:
-        target = np.dtype(policy.compute_dtype)
+        target, hold = np.dtype(policy.compute_dtype), int(Hold.NONE)
     else:
-        # Weak-typed operands and literals (Python scalars in the source) do not promote, as in
-        # jnp; at O2 neither do values computed without float inputs (constants, masks).
-        floats = [
-            _Operand(
-                np.dtype(vals[i].dtype),
-                isinstance(eqn.invars[i], jc.Literal) or eqn.invars[i].aval.weak_type,
-                held[i],
-                static[i],
-            )
-            for i in floats_at
-        ]
+        floats = _following(eqn, vals, operands, floats_at)
         target, hold = _follow_target(name, policy, floats, full, bias_add)
     explicit = _explicit_half(eqn, floats_at, policy)
     if explicit is not None and np.dtype(target).itemsize < 4:
         target = explicit
     return _keeping_constants(name, target, hold, full, [o.known for o in operands])
+
+
+def _following(
+    eqn: Any, vals: list[Any], operands: list[Operand], floats_at: list[int]
+) -> list[_Operand]:
+    """The float operands an op that follows its inputs reads: weak-typed operands and
+    literals (Python scalars in the source) do not promote, as in jnp; at O2 neither do values
+    computed without float inputs (constants, masks)."""
+    return [
+        _Operand(
+            np.dtype(vals[i].dtype),
+            isinstance(eqn.invars[i], jc.Literal) or eqn.invars[i].aval.weak_type,
+            operands[i].held,
+            operands[i].static,
+        )
+        for i in floats_at
+    ]
 
 
 def _region_decision(
