@@ -49,9 +49,9 @@ def _passes_on(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> li
     return [all(outs_only)] * len(eqn.invars)
 
 
-@_LOWER_ONLY.register(*interpret.INLINE_CALLS)
+@_LOWER_ONLY.register(*interpret.CALL.names)
 def _call_uses(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> list[bool]:
-    inner = interpret.open_jaxpr(interpret.call_body(eqn, interpret.INLINE_CALLS))[0]
+    inner = interpret.open_jaxpr(interpret.CALL.body(eqn))[0]
     return _only_feeds(inner, lower_ops)
 
 

@@ -166,3 +166,25 @@ def test_no_module_but_the_levels_home_compares_a_level():
         if name != "mpjax._src.levels" and (lines := _level_comparisons(path.read_text()))
     }
     assert not found, found
+
+
+def test_no_walker_names_a_higher_order_primitive():
+    """Each higher-order primitive's names and bodies are written once, in its
+    interpret.Layout; the interpreters register their rules by it and read its bodies
+    through it (``interpret.SCAN.names``, ``interpret.branches(eqn)``)."""
+    from mpjax._src import interpret
+
+    names = {n for layout in interpret.LAYOUTS for n in layout.names}
+    names |= {k for layout in interpret.LAYOUTS for keys in layout.params.values() for k in keys}
+    names -= {"jaxpr"}  # a call's, a remat's and a scan's body: too common a word to read for
+    assert {"scan", "while", "cond", "branches", "cond_jaxpr", "custom_vjp_call"} <= names
+    walkers = ["autocast", "autocast_uses", "first_order", "values", "islands", "half_grads",
+               "rules", "shadow", "fp8", "compare", "nonfinite", "regions", "f32_search"]  # fmt: skip
+    modules = _modules()
+    found = {}
+    for name in [f"mpjax._src.{w}" for w in walkers] + ["mpjax.export", "mpjax.flax"]:
+        tree = ast.parse(modules[name].read_text())
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
+        if named := sorted(s for s in strings if isinstance(s, str) and s in names):
+            found[name] = named
+    assert not found, found

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -46,15 +47,6 @@ from mpjax._src.values import (
 
 class UntouchedWarning(UserWarning):
     """A sub-program autocast meant to rebuild runs in its traced dtypes instead."""
-
-
-# Calls inlined into the surrounding evaluation; custom-derivative calls, whose rules (jvp,
-# fwd, bwd) run under the policy too; and the higher-order primitives rebuilt with autocast
-# sub-jaxprs whose boundary dtypes are unchanged, so custom differentiation rules and
-# loop-carry types stay valid (see mpjax._src.interpret for their layouts).
-INLINE_CALLS = interpret.INLINE_CALLS
-_CUSTOM_CALLS = frozenset(interpret.CUSTOM_CALLS)
-_SUBJAXPR_PARAMS = interpret.BODY_PARAMS
 
 
 class Context:
@@ -240,35 +232,65 @@ class BodyFacts(NamedTuple):
 
 def _body_facts(eqn: Any, key: str, env: Values, uses: Uses, ctx: Context, mode: Mode) -> BodyFacts:
     """What is known of the inputs of `eqn`'s body `key` (static, held, carried) and of its
-    outputs' uses.
-
-    A loop's carries are carried values in its body; a remat, cond or custom-rule body sees
-    the facts of the operands it is called with (a scan over remat'ed layers adds inside)."""
-    name = eqn.primitive.name
+    outputs' uses: the rule of `eqn`'s primitive in _BODY_FACTS."""
     operands = [
         ValueFacts(static=env.is_static(v), held=env.held_kind(v), carried=env.is_carried(v))
         for v in eqn.invars
     ]
     results_used = tuple(uses.of(v) for v in eqn.outvars)
-    fresh, carry = ValueFacts(static=False), ValueFacts(static=False, carried=True)
-    if name in _CUSTOM_CALLS or name in interpret.REMATS:
-        return BodyFacts(operands, results_used)
-    if name == "cond":
-        return BodyFacts(interpret.cond_parts(eqn, operands)[1], results_used)
-    if name == "scan":
-        consts, carries, xs = interpret.scan_parts(eqn, operands)
-        consts = [dataclasses.replace(f, carried=False) for f in consts]
-        return BodyFacts([*consts, *[carry] * len(carries), *[fresh] * len(xs)], None)
-    if name == "while":
-        cconsts, bconsts, carries = interpret.while_parts(eqn, operands)
-        if key == "cond_jaxpr":
-            cconsts = [dataclasses.replace(f, carried=False) for f in cconsts]
-            return BodyFacts([*cconsts, *[fresh] * len(carries)], None)
-        _, _, decided = while_facts(ctx, eqn, mode)
-        out_uses = tuple(Use(i in decided, False) for i in range(len(carries)))
-        bconsts = [dataclasses.replace(f, carried=False) for f in bconsts]
-        return BodyFacts([*bconsts, *[carry] * len(carries)], out_uses)
-    return BodyFacts([fresh] * len(eqn.invars), None)
+    return _BODY_FACTS(eqn)(eqn, key, operands, results_used, ctx, mode)  # type: ignore[no-any-return]
+
+
+# What each body of a higher-order primitive is told, one rule per primitive: (eqn, body
+# param, what is known of the operands, the results' uses, ctx, mode) -> BodyFacts. A remat,
+# cond or custom-rule body sees the facts of the operands it is called with (a scan over
+# remat'ed layers adds inside); a loop's carries are carried values in its body; any other
+# body (shard_map's, per shard) is told nothing.
+_FRESH, _CARRY = ValueFacts(static=False), ValueFacts(static=False, carried=True)
+_BODY_FACTS = interpret.Rules(
+    default=lambda eqn, key, operands, results_used, ctx, mode: BodyFacts(
+        [_FRESH] * len(eqn.invars), None
+    )
+)
+
+
+def _not_carried(facts: list[ValueFacts]) -> list[ValueFacts]:
+    return [dataclasses.replace(f, carried=False) for f in facts]
+
+
+@_BODY_FACTS.register(*interpret.CUSTOM_JVP.names, *interpret.CUSTOM_VJP.names)
+@_BODY_FACTS.register(*interpret.REMAT.names)
+def _called_facts(
+    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+) -> BodyFacts:
+    return BodyFacts(operands, results_used)
+
+
+@_BODY_FACTS.register(*interpret.COND.names)
+def _branch_facts(
+    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+) -> BodyFacts:
+    return BodyFacts(interpret.cond_parts(eqn, operands)[1], results_used)
+
+
+@_BODY_FACTS.register(*interpret.SCAN.names)
+def _scan_facts(
+    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+) -> BodyFacts:
+    consts, carries, xs = interpret.scan_parts(eqn, operands)
+    return BodyFacts([*_not_carried(consts), *[_CARRY] * len(carries), *[_FRESH] * len(xs)], None)
+
+
+@_BODY_FACTS.register(*interpret.WHILE.names)
+def _while_facts(
+    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+) -> BodyFacts:
+    cconsts, bconsts, carries = interpret.while_parts(eqn, operands)
+    if key == interpret.WHILE_CONDITION:
+        return BodyFacts([*_not_carried(cconsts), *[_FRESH] * len(carries)], None)
+    _, _, decided = while_facts(ctx, eqn, mode)
+    out_uses = tuple(Use(i in decided, False) for i in range(len(carries)))
+    return BodyFacts([*_not_carried(bconsts), *[_CARRY] * len(carries)], out_uses)
 
 
 def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], Any]:
@@ -334,31 +356,89 @@ def _bind_with_operands(
     its scanned inputs, and `enter(consts, rows)`, given their values inside the body,
     returns a context manager held while the body is evaluated. mpjax.fp8 passes amax sinks
     into bodies this way: one row per iteration, so that scan's transpose stacks their
-    cotangents, not sums."""
+    cotangents, not sums. The rule of `eqn`'s primitive in _WITH_OPERANDS binds it."""
     consts, xs, enter = extra
-    p = dict(eqn.params)
-    name = eqn.primitive.name
-    if name != "scan" and xs:
-        raise ValueError("only a scan takes extra scanned operands")
     args = to_traced(invals, [v.aval for v in eqn.invars])
-    nk, nx, n = len(consts), len(xs), len(eqn.invars)
+    evaluator = functools.partial(
+        _body_evaluator, ctx, mode=mode, body_facts=body_facts, traceback=tb
+    )
+    return _WITH_OPERANDS(eqn)(eqn, args, evaluator, consts, xs, enter)
+
+
+# A body's evaluator: given a closed jaxpr, evaluates it under the policy (_body_evaluator).
+_Evaluator = Callable[[Any], Callable[[list[Any]], list[Any]]]
+
+# How a primitive's rebuilt bodies take extra operands (see _bind_with_operands), one rule
+# per primitive: (eqn, its operands, the body evaluator, consts, xs, enter) -> its results.
+_WITH_OPERANDS = interpret.Rules()
+
+
+@_WITH_OPERANDS.register(*interpret.COND.names)
+def _cond_with_operands(
+    eqn: Any, args: list[Any], evaluator: _Evaluator, consts: list[Any], xs: list[Any], enter: Any
+) -> Any:
+    """Each branch takes the operands (not the index), then `consts`."""
+    if xs:
+        raise ValueError("only a scan takes extra scanned operands")
+    n = len(eqn.invars)
     const_avals = [jc.aval_of(c) for c in consts]
-    if name == "cond":  # each branch takes the operands (not the index), then `consts`
-        branches = []
-        for branch in p["branches"]:
-            evaluate = _body_evaluator(ctx, branch, mode, body_facts, tb)
+    rebuilt = []
+    for branch in interpret.branches(eqn):
+        evaluate = evaluator(branch)
 
-            def run(*a: Any, evaluate: Callable[[list[Any]], list[Any]] = evaluate) -> list[Any]:
-                with enter(list(a[n - 1 :]), []):
-                    return evaluate(list(a[: n - 1]))
+        def run(*a: Any, evaluate: Callable[[list[Any]], list[Any]] = evaluate) -> list[Any]:
+            with enter(list(a[n - 1 :]), []):
+                return evaluate(list(a[: n - 1]))
 
-            branches.append(trace_body(run, [*branch.in_avals, *const_avals]))
-        p["branches"] = tuple(branches)
-        return jc.bind(eqn.primitive, args + list(consts), p)
-    scan = name == "scan"
-    closed = p["jaxpr"] if scan else jc.ClosedJaxpr(p["jaxpr"], [])
-    nc = len(interpret.scan_parts(eqn, eqn.invars)[0]) if scan else n
-    evaluate = _body_evaluator(ctx, closed, mode, body_facts, tb)
+        rebuilt.append(trace_body(run, [*branch.in_avals, *const_avals]))
+    params = {**eqn.params, interpret.COND.body_params(eqn)[0]: tuple(rebuilt)}
+    return jc.bind(eqn.primitive, args + list(consts), params)
+
+
+@_WITH_OPERANDS.register(*interpret.SCAN.names)
+def _scan_with_operands(
+    eqn: Any, args: list[Any], evaluator: _Evaluator, consts: list[Any], xs: list[Any], enter: Any
+) -> Any:
+    """`consts` join the scan's constants, `xs` its scanned inputs."""
+    nc = len(interpret.scan_parts(eqn, eqn.invars)[0])
+    rebuilt = _with_operands(eqn, interpret.SCAN.body(eqn), nc, evaluator, consts, xs, enter)
+    nk, nx = len(consts), len(xs)
+    p = {**eqn.params, interpret.SCAN.body_params(eqn)[0]: rebuilt, "num_consts": nc + nk}
+    if "linear" in p:  # older JAX (0.6) records which operands are linear
+        lin = tuple(p["linear"])
+        p["linear"] = lin[:nc] + (False,) * nk + lin[nc:] + (False,) * nx
+    return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
+
+
+@_WITH_OPERANDS.register(*interpret.REMAT.names)
+def _remat_with_operands(
+    eqn: Any, args: list[Any], evaluator: _Evaluator, consts: list[Any], xs: list[Any], enter: Any
+) -> Any:
+    """`consts` follow the remat's operands."""
+    if xs:
+        raise ValueError("only a scan takes extra scanned operands")
+    n = len(eqn.invars)
+    closed = jc.ClosedJaxpr(interpret.REMAT.body(eqn), [])
+    rebuilt = _with_operands(eqn, closed, n, evaluator, consts, [], enter)
+    if rebuilt.consts:
+        raise _CannotRebuild("rebuilt jaxpr captured constants")
+    p = {**eqn.params, interpret.REMAT.body_params(eqn)[0]: rebuilt.jaxpr}
+    return jc.bind(eqn.primitive, args + list(consts), p)
+
+
+def _with_operands(
+    eqn: Any,
+    closed: Any,
+    nc: int,
+    evaluator: _Evaluator,
+    consts: list[Any],
+    xs: list[Any],
+    enter: Any,
+) -> Any:
+    """`closed` rebuilt to take `consts` after its first `nc` inputs and one row of each of
+    `xs` after its others, entering `enter` around its evaluation."""
+    n, nk = len(eqn.invars), len(consts)
+    evaluate = evaluator(closed)
 
     def body(*a: Any) -> list[Any]:
         args_ = list(a)
@@ -366,19 +446,9 @@ def _bind_with_operands(
             return evaluate(args_[:nc] + args_[nc + nk : nk + n])
 
     avals = list(closed.in_avals)
-    avals[nc:nc] = const_avals
+    avals[nc:nc] = [jc.aval_of(c) for c in consts]
     avals += [jc.aval_of(x).update(shape=jc.aval_of(x).shape[1:]) for x in xs]
-    rebuilt = trace_body(body, avals)
-    if scan:
-        p.update(jaxpr=rebuilt, num_consts=nc + nk)
-        if "linear" in p:  # older JAX (0.6) records which operands are linear
-            lin = tuple(p["linear"])
-            p["linear"] = lin[:nc] + (False,) * nk + lin[nc:] + (False,) * nx
-    else:
-        if rebuilt.consts:
-            raise _CannotRebuild("rebuilt jaxpr captured constants")
-        p["jaxpr"] = rebuilt.jaxpr
-    return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
+    return trace_body(body, avals)
 
 
 def _eval_call(
@@ -465,11 +535,11 @@ def _eval_remat(
 RULES = first_order.RULES.extend()
 
 
-@RULES.register(*INLINE_CALLS)
+@RULES.register(*interpret.CALL.names)
 def _inline_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
-    closed = interpret.call_body(eqn, INLINE_CALLS)
+    closed = interpret.CALL.body(eqn)
     body = (closed.jaxpr, list(closed.consts))
     outs, holds, handed = _eval_call(ctx, body, invals, eqn, env, uses, mode, tb)
     # What the call's body learnt (an index made inside jnp.clip, the carry updated inside a
@@ -478,7 +548,7 @@ def _inline_rule(
     return outs, holds
 
 
-@RULES.register(*interpret.REMATS)
+@RULES.register(*interpret.REMAT.names)
 def _remat_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
@@ -488,24 +558,28 @@ def _remat_rule(
 
 
 # Every primitive with bodies autocast rebuilds, a user's remat aside (see _remat_rule).
-@RULES.register(*(name for name in _SUBJAXPR_PARAMS if name not in interpret.REMATS))
+@RULES.register(*interpret.CUSTOM_JVP.names, *interpret.CUSTOM_VJP.names)
+@RULES.register(*interpret.SCAN.names, *interpret.WHILE.names, *interpret.COND.names)
+@RULES.register(*interpret.SHARD_MAP.names)
 def _rebuild_rule(
     ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
 ) -> tuple[list[Any], list[int]]:
-    name = eqn.primitive.name
+    layout = interpret.layout_of(eqn)
+    assert layout is not None
     try:
         params = dict(eqn.params)
-        for key in _SUBJAXPR_PARAMS[name]:
-            context = jc.shard_map_context(params) if name == "shard_map" else None
+        for key in layout.body_params(eqn):
+            # a shard_map's body is traced per shard
+            context = jc.shard_map_context(params) if layout is interpret.SHARD_MAP else None
             body_facts = _body_facts(eqn, key, env, uses, ctx, mode)
             params[key] = _rebuild_param(ctx, params[key], mode, body_facts, context, tb)
         held = [env.held_kind(v) for v in eqn.invars]
-        wrap = _rule_wrapper(ctx, mode, held) if name in _CUSTOM_CALLS else None
+        wrap = _rule_wrapper(ctx, mode, held) if interpret.is_custom_call(eqn) else None
         args = to_traced(invals, [v.aval for v in eqn.invars])
         out = jc.bind(eqn.primitive, args, params, wrap_rule=wrap)
         return results(eqn, out)
     except _CannotRebuild as e:
-        if name in interpret.REMATS:  # lose the remat, keep the precision
+        if layout is interpret.REMAT:  # lose the remat, keep the precision
             outs, holds, _ = eval_jaxpr(ctx, eqn.params["jaxpr"], [], invals, mode, traceback=tb)
             return outs, holds
         why = f"autocast could not rebuild its body ({e})"
@@ -557,8 +631,9 @@ def bind_with_bodies(
     """A scan, remat or cond whose rebuilt bodies also take the operands `extra` gives (see
     _bind_with_operands; mpjax.fp8's rules pass FP8 scales into bodies this way), or None
     where the bodies cannot be rebuilt (the rules in force then run it as usual)."""
-    key = "branches" if eqn.primitive.name == "cond" else "jaxpr"
-    body_facts = _body_facts(eqn, key, env, uses, ctx, mode)
+    layout = interpret.layout_of(eqn)
+    assert layout is not None
+    body_facts = _body_facts(eqn, layout.body_params(eqn)[0], env, uses, ctx, mode)
     try:
         out = _bind_with_operands(ctx, eqn, invals, mode, body_facts, tb, extra)
     except _CannotRebuild:

@@ -99,12 +99,12 @@ USE_RULES = interpret.Rules(
 
 
 @USE_RULES.set_higher_order
-@USE_RULES.register(*interpret.REMATS, "shard_map")
+@USE_RULES.register(*interpret.REMAT.names, *interpret.SHARD_MAP.names)
 def _opaque_uses(ctx: UseContext, eqn: Any, *_: Any) -> list[Use]:
     return [NO_USE] * len(eqn.invars)
 
 
-@USE_RULES.register(*interpret.INLINE_CALLS, *interpret.CUSTOM_CALLS)
+@USE_RULES.register(*interpret.CALL.names, *interpret.CUSTOM_JVP.names, *interpret.CUSTOM_VJP.names)
 def _call_uses(
     ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Use]:
@@ -113,7 +113,7 @@ def _call_uses(
     return list(analyze(ctx, inner.jaxpr, out_flags, mode).in_flags)
 
 
-@USE_RULES.register("while")
+@USE_RULES.register(*interpret.WHILE.names)
 def _while_uses(
     ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Use]:
@@ -123,22 +123,22 @@ def _while_uses(
     return [*cf[:cn], *bf[:bn], *[Use(i in decided, False) for i in range(len(carry))]]
 
 
-@USE_RULES.register("scan")
+@USE_RULES.register(*interpret.SCAN.names)
 def _scan_uses(
     ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Use]:
-    body = eqn.params["jaxpr"]
+    body = interpret.SCAN.body(eqn)
     bf = analyze(ctx, body.jaxpr, (NO_USE,) * len(body.jaxpr.outvars), mode).in_flags
     return [Use(f.decides, False) for f in bf]
 
 
-@USE_RULES.register("cond")
+@USE_RULES.register(*interpret.COND.names)
 def _cond_uses(
     ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
 ) -> list[Use]:
     branch_flags = [
         analyze(ctx, b.jaxpr, (NO_USE,) * len(b.jaxpr.outvars), mode).in_flags
-        for b in eqn.params["branches"]
+        for b in interpret.branches(eqn)
     ]
     _, operands = interpret.cond_parts(eqn, eqn.invars)
     decides = [any(bf[i].decides for bf in branch_flags) for i in range(len(operands))]
@@ -147,7 +147,7 @@ def _cond_uses(
 
 def while_facts(ctx: UseContext, eqn: Any, mode: Mode) -> tuple[Any, Any, frozenset[int]]:
     """The carries a while loop's condition depends on (through any number of iterations)."""
-    cond, body = eqn.params["cond_jaxpr"], eqn.params["body_jaxpr"]
+    cond, body = interpret.while_bodies(eqn)
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)
     cn, bn, ncarry = len(cconsts), len(bconsts), len(carry)
     cf = analyze(ctx, cond.jaxpr, (Use(True, False),), mode).in_flags

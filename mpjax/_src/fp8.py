@@ -427,7 +427,7 @@ class _Sites:
                     return [out], [Hold.NONE]
             return rules.inherited(eqn)(ctx, eqn, invals, env, uses, mode, tb)
 
-        @rules.register("scan", "cond", *interpret.REMATS)
+        @rules.register(*interpret.SCAN.names, *interpret.COND.names, *interpret.REMAT.names)
         def body(ctx: Any, eqn: Any, invals: list[Any], env: Any, uses: Any, mode: Any, tb: Any):
             if isinstance(mode, Policy):
                 extra = self.body(eqn, mode)
@@ -450,7 +450,7 @@ class _Sites:
             return None
         consts = [] if scale is None else [scale, sink]
         xs = []
-        if scale is not None and eqn.primitive.name == "scan":
+        if scale is not None and interpret.SCAN.of(eqn):
             consts, xs = [scale], [_spread(eqn.params["length"], sink)]
 
         @contextlib.contextmanager

@@ -21,37 +21,88 @@ T = TypeVar("T")
 R = TypeVar("R", bound=Callable[..., Any])  # a rule
 
 # -- the layouts of higher-order primitives --------------------------------------------------------
+#
+# Every higher-order primitive mpjax's interpreters know, once: the names it has had across
+# JAX releases, the params that hold its bodies, and (beside it) how its operands split into
+# what each body takes. The interpreters register one rule per primitive by its layout
+# (``@RULES.register(*interpret.SCAN.names)``) and read its bodies through it, so no walker
+# names a higher-order primitive by string. Adding one: a Layout here (and a line in
+# ops._HIGHER_ORDER's table through BODY_PARAMS), then a rule in each interpreter that should
+# enter it; the others run it as an unknown higher-order primitive.
 
-# Calls whose body takes the operands and gives the results one to one, by what they are:
-# plain calls (inlined by every interpreter), custom-derivative calls (their rules are
-# functions too) and user remats.
-INLINE_CALLS: Mapping[str, str] = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-}
+
+class Layout:
+    """One higher-order primitive: its name (and older names) -> the params holding its
+    bodies."""
+
+    def __init__(self, params: Mapping[str, tuple[str, ...]]):
+        self.params = dict(params)
+        self.names = tuple(self.params)
+
+    def of(self, eqn: jc.JaxprEqn) -> bool:
+        """Whether `eqn` is this primitive."""
+        return eqn.primitive.name in self.params
+
+    def body_params(self, eqn: jc.JaxprEqn) -> tuple[str, ...]:
+        """The params of `eqn` that hold its bodies, in order."""
+        return self.params[eqn.primitive.name]
+
+    def body(self, eqn: jc.JaxprEqn) -> Any:
+        """The body of `eqn`, for a primitive with one."""
+        (key,) = self.body_params(eqn)
+        return eqn.params[key]
+
+
+# Plain calls, inlined by every interpreter: the body takes the operands and gives the
+# results one to one.
+CALL = Layout(
+    {"jit": ("jaxpr",), "pjit": ("jaxpr",), "closed_call": ("call_jaxpr",),
+     "core_call": ("call_jaxpr",)}
+)  # fmt: skip
+# Custom-derivative calls: the body is called as a call is; their rules (jvp, fwd, bwd) are
+# functions too. custom_vjp_call_jaxpr is JAX 0.6-0.7's name of custom_vjp_call.
+CUSTOM_JVP = Layout({"custom_jvp_call": ("call_jaxpr",)})
+CUSTOM_VJP = Layout({"custom_vjp_call": ("call_jaxpr",), "custom_vjp_call_jaxpr": ("fun_jaxpr",)})
+# A user's remat (jax.checkpoint): a call whose residuals are recomputed.
+REMAT = Layout({"remat2": ("jaxpr",), "checkpoint": ("jaxpr",)})
+# shard_map: a call per shard.
+SHARD_MAP = Layout({"shard_map": ("jaxpr",)})
+# scan: operands (consts, carry, xs) map onto its body's inputs, results (carry, ys) onto
+# its outputs (see scan_parts).
+SCAN = Layout({"scan": ("jaxpr",)})
+# while: a condition and a body (see while_parts, while_bodies).
+WHILE_CONDITION = "cond_jaxpr"
+WHILE = Layout({"while": (WHILE_CONDITION, "body_jaxpr")})
+# cond: the branch index, then each branch's operands (see cond_parts, branches).
+COND = Layout({"cond": ("branches",)})
+
+_BODIES = (CUSTOM_JVP, CUSTOM_VJP, REMAT, SCAN, WHILE, COND, SHARD_MAP)
+LAYOUTS = (CALL, *_BODIES)
+
+INLINE_CALLS: Mapping[str, str] = {name: key for name, (key,) in CALL.params.items()}
 CUSTOM_CALLS: Mapping[str, str] = {
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",  # JAX 0.6-0.7's name of custom_vjp_call
+    name: key for layout in (CUSTOM_JVP, CUSTOM_VJP) for name, (key,) in layout.params.items()
 }
-REMATS: Mapping[str, str] = {"remat2": "jaxpr", "checkpoint": "jaxpr"}
+REMATS: Mapping[str, str] = {name: key for name, (key,) in REMAT.params.items()}
 CALLS: Mapping[str, str] = {**INLINE_CALLS, **CUSTOM_CALLS, **REMATS}
 # Every primitive whose bodies autocast rebuilds (besides inlined calls), by the params that
-# hold them. scan: operands (consts, carry, xs) map onto its body's inputs, results (carry,
-# ys) onto its outputs; while: (cond consts, body consts, carry), see while_parts; cond: the
-# branch index, then each branch's operands; shard_map: one to one, per shard.
+# hold them.
 BODY_PARAMS: Mapping[str, tuple[str, ...]] = {
-    **{name: (key,) for name, key in {**CUSTOM_CALLS, **REMATS}.items()},
-    "scan": ("jaxpr",),
-    "while": ("cond_jaxpr", "body_jaxpr"),
-    "cond": ("branches",),
-    "shard_map": ("jaxpr",),
+    name: keys for layout in _BODIES for name, keys in layout.params.items()
 }
 # The param of a scatter that holds its combiner (add, mul, min or max of two scalars): a
 # jaxpr, but no body; a scatter is a first-order op.
 COMBINER_PARAM = "update_jaxpr"
+
+
+def layout_of(eqn: jc.JaxprEqn) -> Layout | None:
+    """The layout of `eqn`'s primitive, or None for one with no known bodies."""
+    return next((layout for layout in LAYOUTS if layout.of(eqn)), None)
+
+
+def is_custom_call(eqn: jc.JaxprEqn) -> bool:
+    """Whether `eqn` is a custom-derivative call (custom_jvp or custom_vjp)."""
+    return CUSTOM_JVP.of(eqn) or CUSTOM_VJP.of(eqn)
 
 
 def is_jaxpr(x: Any) -> bool:
@@ -65,13 +116,13 @@ def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
     return j, []
 
 
-def call_body(eqn: Any, table: Mapping[str, str] = CALLS) -> Any:
+def call_body(eqn: jc.JaxprEqn, table: Mapping[str, str] = CALLS) -> Any:
     """The body of a call in `table` (see CALLS), or None for any other equation."""
     key = table.get(eqn.primitive.name)
     return None if key is None else eqn.params[key]
 
 
-def bodies(eqn: Any) -> list[Any]:
+def bodies(eqn: jc.JaxprEqn) -> list[Any]:
     """Every jaxpr among `eqn`'s params (a cond's branches each), a scatter's combiner too."""
     return [
         sub
@@ -81,7 +132,7 @@ def bodies(eqn: Any) -> list[Any]:
     ]
 
 
-def is_higher_order(eqn: Any) -> bool:
+def is_higher_order(eqn: jc.JaxprEqn) -> bool:
     """Whether `eqn` has a body: a jaxpr param (a cond's tuple of branches too) that is not a
     scatter's combiner."""
     return any(
@@ -92,20 +143,31 @@ def is_higher_order(eqn: Any) -> bool:
     )
 
 
-def scan_parts(eqn: Any, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
+def scan_parts(eqn: jc.JaxprEqn, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
     """A scan's operands (or anything laid out as them) as (consts, carry, scanned)."""
     k, nc = eqn.params["num_consts"], eqn.params["num_carry"]
     return list(xs[:k]), list(xs[k : k + nc]), list(xs[k + nc :])
 
 
-def while_parts(eqn: Any, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
+def while_bodies(eqn: jc.JaxprEqn) -> tuple[Any, Any]:
+    """A while loop's (condition, body), closed jaxprs."""
+    condition, body = WHILE.body_params(eqn)
+    return eqn.params[condition], eqn.params[body]
+
+
+def branches(eqn: jc.JaxprEqn) -> tuple[Any, ...]:
+    """A cond's branches, closed jaxprs."""
+    return COND.body(eqn)  # type: ignore[no-any-return]
+
+
+def while_parts(eqn: jc.JaxprEqn, xs: Sequence[T]) -> tuple[list[T], list[T], list[T]]:
     """A while loop's operands (or anything laid out as them) as (cond consts, body consts,
     carry). Its condition takes (cond consts, carry), its body (body consts, carry)."""
     cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
     return list(xs[:cn]), list(xs[cn : cn + bn]), list(xs[cn + bn :])
 
 
-def cond_parts(eqn: Any, xs: Sequence[T]) -> tuple[T, list[T]]:
+def cond_parts(eqn: jc.JaxprEqn, xs: Sequence[T]) -> tuple[T, list[T]]:
     """A cond's operands (or anything laid out as them) as (branch index, branch operands)."""
     return xs[0], list(xs[1:])
 
@@ -158,7 +220,7 @@ class Rules:
             return self._parent.own(name)
         return rule
 
-    def __call__(self, eqn: Any) -> Callable[..., Any]:
+    def __call__(self, eqn: jc.JaxprEqn) -> Callable[..., Any]:
         """The rule for `eqn`."""
         rule = self.own(eqn.primitive.name)
         if rule is not None:
@@ -178,7 +240,7 @@ class Rules:
             return self._parent._fallback(attr)
         return rule
 
-    def inherited(self, eqn: Any) -> Callable[..., Any]:
+    def inherited(self, eqn: jc.JaxprEqn) -> Callable[..., Any]:
         """The rule `eqn` gets from the registry this one extends (see :meth:`extend`)."""
         if self._parent is None:
             raise KeyError("a registry that extends none has no inherited rules")
@@ -204,7 +266,7 @@ class Env:
     def read(self, v: Any) -> Any:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
 
-    def write(self, eqn: Any, outs: Sequence[Any]) -> None:
+    def write(self, eqn: jc.JaxprEqn, outs: Sequence[Any]) -> None:
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jc.DropVar):
                 self.vals[v] = x
@@ -216,7 +278,7 @@ class _NoValues:
     def read(self, v: Any) -> None:
         return None
 
-    def write(self, eqn: Any, outs: Any) -> None:
+    def write(self, eqn: jc.JaxprEqn, outs: Any) -> None:
         pass
 
 

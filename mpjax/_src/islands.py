@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
-from mpjax._src import ops
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.ops import Trait
 
@@ -34,9 +34,9 @@ def is_island_call(eqn: Any) -> bool:
     (`jnp.logaddexp`, and through it `jax.nn.softplus` and `log_sigmoid`): it extends a float32
     island as one op does, its derivative rule kept, so that the island does not end at it
     and keep every float32 value after it for the backward pass."""
-    if eqn.primitive.name != "custom_jvp_call":
+    if not interpret.CUSTOM_JVP.of(eqn):
         return False
-    body = eqn.params.get("call_jaxpr")
+    body = interpret.CUSTOM_JVP.body(eqn)
     body = getattr(body, "jaxpr", body)
     if body is None:
         return False

@@ -26,6 +26,12 @@ Literal = core.Literal
 DropVar = core.DropVar
 Jaxpr = core.Jaxpr
 ClosedJaxpr = core.ClosedJaxpr
+# The types the interpreters read: an equation, a variable, an operand (a variable or a
+# literal), a primitive.
+JaxprEqn = core.JaxprEqn
+Var = core.Var
+Atom = core.Atom
+Primitive = core.Primitive
 
 
 def literal_array(v: Any) -> np.ndarray:

@@ -261,7 +261,7 @@ _UNTOUCHED: dict[str, str] = {
 
 
 # Primitives whose body the interpreter runs: its own maps say how (by body parameter).
-_HIGHER_ORDER = (*interpret.INLINE_CALLS, *interpret.BODY_PARAMS)
+_HIGHER_ORDER = tuple(name for layout in interpret.LAYOUTS for name in layout.names)
 _WHY = {
     Kind.LOWER: "matmul-like: tensor cores",
     Kind.F32: "loses accuracy or overflows in half",

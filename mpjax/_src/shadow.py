@@ -243,12 +243,14 @@ class Shadow:
     def _while(
         self, eqn: Any, ins: list[Pair], name: str, key: tuple[Any, ...], tracks: tuple[bool, bool]
     ) -> list[Pair]:
-        p = eqn.params
-        cj, cconsts = self._sub(p["cond_jaxpr"])
-        bj, bconsts = self._sub(p["body_jaxpr"])
+        condition, body = interpret.while_bodies(eqn)
+        cj, cconsts = self._sub(condition)
+        bj, bconsts = self._sub(body)
         cfixed, bfixed, carry = interpret.while_parts(eqn, ins)
         while True:
-            (go,) = self.run(cj, cconsts, [*cfixed, *carry], name, (*key, "cond"), tracks)
+            (go,) = self.run(
+                cj, cconsts, [*cfixed, *carry], name, (*key, interpret.WHILE_CONDITION), tracks
+            )
             on = (tracks[0] and bool(go[0]), tracks[1] and bool(go[1]))
             if not any(on):
                 return carry
@@ -267,7 +269,7 @@ class Shadow:
     def _cond(
         self, eqn: Any, ins: list[Pair], name: str, key: tuple[Any, ...], tracks: tuple[bool, bool]
     ) -> list[Pair]:
-        branches = eqn.params["branches"]
+        branches = interpret.branches(eqn)
         last = len(branches) - 1
         which, operands = interpret.cond_parts(eqn, ins)
         index = [min(max(int(x), 0), last) if on else -1 for x, on in zip(which, tracks)]
@@ -300,9 +302,9 @@ class _PairEnv(interpret.Env):
 # branch each track takes; any other equation runs on both tracks (Shadow._primitive).
 _SHADOW = interpret.Rules(default=Shadow._primitive)
 _SHADOW.register(*interpret.CALLS)(Shadow._call)
-_SHADOW.register("scan")(Shadow._scan)
-_SHADOW.register("while")(Shadow._while)
-_SHADOW.register("cond")(Shadow._cond)
+_SHADOW.register(*interpret.SCAN.names)(Shadow._scan)
+_SHADOW.register(*interpret.WHILE.names)(Shadow._while)
+_SHADOW.register(*interpret.COND.names)(Shadow._cond)
 
 
 # The FLOP count's rules: (matmul FLOPs, those with float32 operands) of an equation run
@@ -311,14 +313,16 @@ _SHADOW.register("cond")(Shadow._cond)
 _FLOPS = interpret.Rules()
 
 
-@_FLOPS.register("scan")
+@_FLOPS.register(*interpret.SCAN.names)
 def _scan_flops(eqn: Any, times: int) -> tuple[int, int]:
-    return count_flops(interpret.open_jaxpr(eqn.params["jaxpr"])[0], times * eqn.params["length"])
+    return count_flops(
+        interpret.open_jaxpr(interpret.SCAN.body(eqn))[0], times * eqn.params["length"]
+    )
 
 
-@_FLOPS.register("cond")
+@_FLOPS.register(*interpret.COND.names)
 def _cond_flops(eqn: Any, times: int) -> tuple[int, int]:
-    return max(count_flops(b.jaxpr, times) for b in eqn.params["branches"])
+    return max(count_flops(b.jaxpr, times) for b in interpret.branches(eqn))
 
 
 @_FLOPS.set_default
