@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "mpjax"
 
@@ -179,7 +180,8 @@ def test_no_walker_names_a_higher_order_primitive():
     names -= {"jaxpr"}  # a call's, a remat's and a scan's body: too common a word to read for
     assert {"scan", "while", "cond", "branches", "cond_jaxpr", "custom_vjp_call"} <= names
     walkers = ["autocast", "autocast_uses", "first_order", "values", "islands", "half_grads",
-               "rules", "shadow", "fp8", "compare", "nonfinite", "regions", "f32_search"]  # fmt: skip
+               "rules", "shadow", "fp8", "compare", "nonfinite", "regions",
+               "f32_search"]  # fmt: skip
     modules = _modules()
     found = {}
     for name in [f"mpjax._src.{w}" for w in walkers] + ["mpjax.export", "mpjax.flax"]:
@@ -188,3 +190,34 @@ def test_no_walker_names_a_higher_order_primitive():
         if named := sorted(s for s in strings if isinstance(s, str) and s in names):
             found[name] = named
     assert not found, found
+
+
+CORE = ["islands", "autocast", "first_order", "values", "half_grads", "interpret",
+        "autocast_uses", "rules"]  # fmt: skip
+
+
+def test_the_core_is_typed_but_where_jax_is_not():
+    """The interpreter core names its types (jc.JaxprEqn, jc.Atom, jc.Value, Step, Results):
+    `Any` stays where JAX itself is untyped (an equation's params, a name stack, a
+    shard_map's tracing context), at most 120 times over the eight modules."""
+    count = {
+        name: len(re.findall(r"\bAny\b", _modules()[f"mpjax._src.{name}"].read_text()))
+        for name in CORE
+    }
+    assert sum(count.values()) > 20, count  # the reading works
+    assert sum(count.values()) <= 120, count
+
+
+def test_every_evaluation_rule_takes_a_step_and_the_operands():
+    """An evaluation rule's signature is (step, invals): a Step carries the context, the
+    equation, the values known, the use analysis, the mode and the traceback."""
+    import inspect
+
+    from mpjax._src import autocast, first_order
+
+    registries = [first_order.RULES, autocast.RULES]
+    rules = {r for registry in registries for r in registry._rules.values()}
+    rules |= {first_order.RULES._default, autocast.RULES._higher_order}
+    assert len(rules) >= 8, rules
+    for rule in rules:
+        assert list(inspect.signature(rule).parameters) == ["step", "invals"], rule

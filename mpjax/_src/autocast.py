@@ -26,6 +26,8 @@ from mpjax._src.autocast_uses import Uses, analyze, while_facts
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.first_order import (
     NOT_REBUILT,
+    Rule,
+    Step,
     bind_untouched,
     results,
     to_traced,
@@ -37,6 +39,7 @@ from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
 from mpjax._src.rules import NO_USE, Hold, Mode, Use
 from mpjax._src.values import (
     KNOWN_LIMIT,
+    Results,
     ValueFacts,
     Values,
     dynamic_leaves,
@@ -103,15 +106,15 @@ class Context:
 
 def eval_jaxpr(
     ctx: Context,
-    jaxpr: Any,
-    consts: list[Any],
-    args: list[Any],
+    jaxpr: jc.Jaxpr,
+    consts: list[jc.Value],
+    args: list[jc.Value],
     mode: Mode,
     *,
     inputs: Sequence[ValueFacts] | None = None,
     out_flags: tuple[Use, ...] | None = None,
-    traceback: Any = None,
-) -> tuple[list[Any], list[int], list[ValueFacts]]:
+    traceback: jc.Traceback | None = None,
+) -> tuple[list[jc.Value], list[int], list[ValueFacts]]:
     """Evaluates `jaxpr` under the policy; returns its outputs, which of them are held in
     float32, and what it hands back of each (see Values.handed).
 
@@ -141,7 +144,7 @@ def eval_jaxpr(
     for v, x, known in zip(jaxpr.invars, args, known_of, strict=True):
         env.enter(v, x, known)
 
-    def step(eqn: Any, invals: list[Any]) -> tuple[list[Any], list[int]]:
+    def step(eqn: jc.JaxprEqn, invals: list[jc.Value]) -> Results:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
         tb = traceback if traceback is not None else eqn.source_info.traceback
@@ -149,7 +152,8 @@ def eval_jaxpr(
             tb = eqn.source_info.traceback  # see for_shadow: a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
-                outvals, holds = ctx.rules(eqn)(ctx, eqn, invals, env, uses, eqn_mode, tb)
+                rule: Rule = ctx.rules(eqn)
+                outvals, holds = rule(Step(ctx, eqn, env, uses, eqn_mode, tb), invals)
                 # A region's mode is a string ("f32": a norm under the Flax wrappers).
                 if len(outvals) == 1 and (not isinstance(eqn_mode, Policy) or eqn_mode.half):
                     outvals[0] = env.tag_island(eqn, invals, outvals[0])
@@ -161,11 +165,11 @@ def eval_jaxpr(
 
 def _rebuild_closed(
     ctx: Context,
-    closed: Any,
+    closed: jc.ClosedJaxpr,
     mode: Mode,
     body_facts: BodyFacts,
     context: Any = None,
-    traceback: Any = None,
+    traceback: jc.Traceback | None = None,
 ) -> Any:
     """The sub-jaxpr with autocast inside and its traced dtypes at the boundary."""
     body = _body_evaluator(ctx, closed, mode, body_facts, traceback)
@@ -173,12 +177,16 @@ def _rebuild_closed(
 
 
 def _body_evaluator(
-    ctx: Context, closed: Any, mode: Mode, body_facts: BodyFacts, traceback: Any
-) -> Callable[[list[Any]], list[Any]]:
+    ctx: Context,
+    closed: jc.ClosedJaxpr,
+    mode: Mode,
+    body_facts: BodyFacts,
+    traceback: jc.Traceback | None,
+) -> Callable[[list[jc.Value]], list[jc.Value]]:
     """Evaluates a sub-jaxpr under the policy and casts its outputs back to their traced dtypes
     (loop carries and custom rules need their boundary types unchanged)."""
 
-    def body(args: list[Any]) -> list[Any]:
+    def body(args: list[jc.Value]) -> list[jc.Value]:
         outs, _, _ = eval_jaxpr(
             ctx,
             closed.jaxpr,
@@ -194,7 +202,9 @@ def _body_evaluator(
     return body
 
 
-def trace_body(body: Callable[..., Any], avals: list[Any], context: Any = None) -> Any:
+def trace_body(
+    body: Callable[..., list[jc.Value]], avals: list[jc.AbstractValue], context: Any = None
+) -> jc.ClosedJaxpr:
     """`body` traced at `avals` under autocast, its float32 islands made remat regions."""
     try:
         return remat_islands(jc.trace(body, avals, context), context)
@@ -206,7 +216,12 @@ _CannotRebuild = jc.CannotRebuild
 
 
 def _rebuild_param(
-    ctx: Context, value: Any, mode: Mode, body_facts: BodyFacts, context: Any, tb: Any
+    ctx: Context,
+    value: jc.Value,
+    mode: Mode,
+    body_facts: BodyFacts,
+    context: Any,
+    tb: jc.Traceback | None,
 ) -> Any:
     if isinstance(value, tuple):
         return tuple(_rebuild_param(ctx, v, mode, body_facts, context, tb) for v in value)
@@ -230,7 +245,9 @@ class BodyFacts(NamedTuple):
     out_uses: tuple[Use, ...] | None
 
 
-def _body_facts(eqn: Any, key: str, env: Values, uses: Uses, ctx: Context, mode: Mode) -> BodyFacts:
+def _body_facts(
+    eqn: jc.JaxprEqn, key: str, env: Values, uses: Uses, ctx: Context, mode: Mode
+) -> BodyFacts:
     """What is known of the inputs of `eqn`'s body `key` (static, held, carried) and of its
     outputs' uses: the rule of `eqn`'s primitive in _BODY_FACTS."""
     operands = [
@@ -261,21 +278,36 @@ def _not_carried(facts: list[ValueFacts]) -> list[ValueFacts]:
 @_BODY_FACTS.register(*interpret.CUSTOM_JVP.names, *interpret.CUSTOM_VJP.names)
 @_BODY_FACTS.register(*interpret.REMAT.names)
 def _called_facts(
-    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+    eqn: jc.JaxprEqn,
+    key: str,
+    operands: list[ValueFacts],
+    results_used: tuple[Use, ...] | None,
+    ctx: Context,
+    mode: Mode,
 ) -> BodyFacts:
     return BodyFacts(operands, results_used)
 
 
 @_BODY_FACTS.register(*interpret.COND.names)
 def _branch_facts(
-    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+    eqn: jc.JaxprEqn,
+    key: str,
+    operands: list[ValueFacts],
+    results_used: tuple[Use, ...] | None,
+    ctx: Context,
+    mode: Mode,
 ) -> BodyFacts:
     return BodyFacts(interpret.cond_parts(eqn, operands)[1], results_used)
 
 
 @_BODY_FACTS.register(*interpret.SCAN.names)
 def _scan_facts(
-    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+    eqn: jc.JaxprEqn,
+    key: str,
+    operands: list[ValueFacts],
+    results_used: tuple[Use, ...] | None,
+    ctx: Context,
+    mode: Mode,
 ) -> BodyFacts:
     consts, carries, xs = interpret.scan_parts(eqn, operands)
     return BodyFacts([*_not_carried(consts), *[_CARRY] * len(carries), *[_FRESH] * len(xs)], None)
@@ -283,7 +315,12 @@ def _scan_facts(
 
 @_BODY_FACTS.register(*interpret.WHILE.names)
 def _while_facts(
-    eqn: Any, key: str, operands: list[ValueFacts], results_used: Any, ctx: Context, mode: Mode
+    eqn: jc.JaxprEqn,
+    key: str,
+    operands: list[ValueFacts],
+    results_used: tuple[Use, ...] | None,
+    ctx: Context,
+    mode: Mode,
 ) -> BodyFacts:
     cconsts, bconsts, carries = interpret.while_parts(eqn, operands)
     if key == interpret.WHILE_CONDITION:
@@ -298,14 +335,14 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
     dtypes at the boundary, so that a function runs the same dtypes under jax.grad."""
 
     def wrap(rule: Any) -> Any:
-        def run(*args: Any) -> Any:
+        def run(*args: jc.Value) -> Any:
             # Symbolic zeros (custom_jvp(symbolic_zeros=True), custom_vjp's fwd, equinox's
             # filter_custom_jvp/vjp, diffrax's adjoints) pass through as static values, in and
             # out; only arrays are traced and evaluated under the policy.
             dynamic = dynamic_leaves(args)
-            passed: list[Any] = []
+            passed: list[jc.Value] = []
 
-            def flat(*arrays: Any) -> Any:
+            def flat(*arrays: jc.Value) -> Any:
                 outs = list(rule.call_wrapped(*fill_dynamic(args, dynamic, arrays)))
                 passed[:] = outs
                 return [o for o in outs if is_value(o)]
@@ -318,7 +355,7 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
             elif n == nin:  # a forward rule: primals
                 in_held = held
 
-            def evaluate(*arrays: Any) -> list[Any]:
+            def evaluate(*arrays: jc.Value) -> list[jc.Value]:
                 outs, _, _ = eval_jaxpr(
                     ctx.replace(in_rule=True),
                     closed.jaxpr,
@@ -343,13 +380,13 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
 
 def _bind_with_operands(
     ctx: Context,
-    eqn: Any,
-    invals: list[Any],
+    eqn: jc.JaxprEqn,
+    invals: list[jc.Value],
     mode: Mode,
     body_facts: BodyFacts,
-    tb: Any,
-    extra: Any,
-) -> Any:
+    tb: jc.Traceback | None,
+    extra: Extra,
+) -> list[jc.Value]:
     """Binds a scan, remat or cond whose rebuilt bodies also take the operands `extra` gives:
     (consts, xs, enter). `consts` join a scan's constants (at the end of a remat's or a
     cond's operands, each branch entered in turn), `xs` (leading axis: the length; scan only)
@@ -362,11 +399,17 @@ def _bind_with_operands(
     evaluator = functools.partial(
         _body_evaluator, ctx, mode=mode, body_facts=body_facts, traceback=tb
     )
-    return _WITH_OPERANDS(eqn)(eqn, args, evaluator, consts, xs, enter)
+    outs: list[jc.Value] = _WITH_OPERANDS(eqn)(eqn, args, evaluator, consts, xs, enter)
+    return outs
 
+
+# What mpjax.fp8 passes into a body (see _bind_with_operands): (consts, xs, enter), where
+# enter(consts, rows) is held while the body is evaluated.
+Enter = Callable[[list[jc.Value], list[jc.Value]], contextlib.AbstractContextManager[None]]
+Extra = tuple[list[jc.Value], list[jc.Value], Enter]
 
 # A body's evaluator: given a closed jaxpr, evaluates it under the policy (_body_evaluator).
-_Evaluator = Callable[[Any], Callable[[list[Any]], list[Any]]]
+_Evaluator = Callable[[jc.ClosedJaxpr], Callable[[list[jc.Value]], list[jc.Value]]]
 
 # How a primitive's rebuilt bodies take extra operands (see _bind_with_operands), one rule
 # per primitive: (eqn, its operands, the body evaluator, consts, xs, enter) -> its results.
@@ -375,8 +418,13 @@ _WITH_OPERANDS = interpret.Rules()
 
 @_WITH_OPERANDS.register(*interpret.COND.names)
 def _cond_with_operands(
-    eqn: Any, args: list[Any], evaluator: _Evaluator, consts: list[Any], xs: list[Any], enter: Any
-) -> Any:
+    eqn: jc.JaxprEqn,
+    args: list[jc.Value],
+    evaluator: _Evaluator,
+    consts: list[jc.Value],
+    xs: list[jc.Value],
+    enter: Enter,
+) -> list[jc.Value]:
     """Each branch takes the operands (not the index), then `consts`."""
     if xs:
         raise ValueError("only a scan takes extra scanned operands")
@@ -386,19 +434,27 @@ def _cond_with_operands(
     for branch in interpret.branches(eqn):
         evaluate = evaluator(branch)
 
-        def run(*a: Any, evaluate: Callable[[list[Any]], list[Any]] = evaluate) -> list[Any]:
+        def run(
+            *a: jc.Value, evaluate: Callable[[list[jc.Value]], list[jc.Value]] = evaluate
+        ) -> list[jc.Value]:
             with enter(list(a[n - 1 :]), []):
                 return evaluate(list(a[: n - 1]))
 
         rebuilt.append(trace_body(run, [*branch.in_avals, *const_avals]))
     params = {**eqn.params, interpret.COND.body_params(eqn)[0]: tuple(rebuilt)}
-    return jc.bind(eqn.primitive, args + list(consts), params)
+    outs: list[jc.Value] = jc.bind(eqn.primitive, args + list(consts), params)
+    return outs
 
 
 @_WITH_OPERANDS.register(*interpret.SCAN.names)
 def _scan_with_operands(
-    eqn: Any, args: list[Any], evaluator: _Evaluator, consts: list[Any], xs: list[Any], enter: Any
-) -> Any:
+    eqn: jc.JaxprEqn,
+    args: list[jc.Value],
+    evaluator: _Evaluator,
+    consts: list[jc.Value],
+    xs: list[jc.Value],
+    enter: Enter,
+) -> list[jc.Value]:
     """`consts` join the scan's constants, `xs` its scanned inputs."""
     nc = len(interpret.scan_parts(eqn, eqn.invars)[0])
     rebuilt = _with_operands(eqn, interpret.SCAN.body(eqn), nc, evaluator, consts, xs, enter)
@@ -407,13 +463,21 @@ def _scan_with_operands(
     if "linear" in p:  # older JAX (0.6) records which operands are linear
         lin = tuple(p["linear"])
         p["linear"] = lin[:nc] + (False,) * nk + lin[nc:] + (False,) * nx
-    return jc.bind(eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p)
+    outs: list[jc.Value] = jc.bind(
+        eqn.primitive, args[:nc] + list(consts) + args[nc:] + list(xs), p
+    )
+    return outs
 
 
 @_WITH_OPERANDS.register(*interpret.REMAT.names)
 def _remat_with_operands(
-    eqn: Any, args: list[Any], evaluator: _Evaluator, consts: list[Any], xs: list[Any], enter: Any
-) -> Any:
+    eqn: jc.JaxprEqn,
+    args: list[jc.Value],
+    evaluator: _Evaluator,
+    consts: list[jc.Value],
+    xs: list[jc.Value],
+    enter: Enter,
+) -> list[jc.Value]:
     """`consts` follow the remat's operands."""
     if xs:
         raise ValueError("only a scan takes extra scanned operands")
@@ -423,24 +487,25 @@ def _remat_with_operands(
     if rebuilt.consts:
         raise _CannotRebuild("rebuilt jaxpr captured constants")
     p = {**eqn.params, interpret.REMAT.body_params(eqn)[0]: rebuilt.jaxpr}
-    return jc.bind(eqn.primitive, args + list(consts), p)
+    outs: list[jc.Value] = jc.bind(eqn.primitive, args + list(consts), p)
+    return outs
 
 
 def _with_operands(
-    eqn: Any,
-    closed: Any,
+    eqn: jc.JaxprEqn,
+    closed: jc.ClosedJaxpr,
     nc: int,
     evaluator: _Evaluator,
-    consts: list[Any],
-    xs: list[Any],
-    enter: Any,
-) -> Any:
+    consts: list[jc.Value],
+    xs: list[jc.Value],
+    enter: Enter,
+) -> jc.ClosedJaxpr:
     """`closed` rebuilt to take `consts` after its first `nc` inputs and one row of each of
     `xs` after its others, entering `enter` around its evaluation."""
     n, nk = len(eqn.invars), len(consts)
     evaluate = evaluator(closed)
 
-    def body(*a: Any) -> list[Any]:
+    def body(*a: jc.Value) -> list[jc.Value]:
         args_ = list(a)
         with enter(args_[nc : nc + nk], args_[nk + n :]):
             return evaluate(args_[:nc] + args_[nc + nk : nk + n])
@@ -454,13 +519,13 @@ def _with_operands(
 def _eval_call(
     ctx: Context,
     body: tuple[Any, list[Any]],
-    invals: list[Any],
-    eqn: Any,
+    invals: list[jc.Value],
+    eqn: jc.JaxprEqn,
     env: Values,
     uses: Uses,
     mode: Mode,
-    tb: Any,
-) -> tuple[list[Any], list[int], list[ValueFacts]]:
+    tb: jc.Traceback | None,
+) -> tuple[list[jc.Value], list[int], list[ValueFacts]]:
     """Evaluates the body of a call equation (an inlined jit, a remat) on `invals`, with what
     the caller knows of its operands and of its results' uses."""
     jaxpr, consts = body  # the call's jaxpr and its constants
@@ -488,13 +553,13 @@ def _eval_call(
 
 def _eval_remat(
     ctx: Context,
-    eqn: Any,
-    invals: list[Any],
+    eqn: jc.JaxprEqn,
     env: Values,
     uses: Uses,
     mode: Mode,
-    tb: Any,
-) -> tuple[list[Any], list[int]]:
+    tb: jc.Traceback | None,
+    invals: list[jc.Value],
+) -> Results:
     """A user's remat (``jax.checkpoint``, ``nn.remat``, ``nnx.remat``), evaluated as an
     inlined call is, inside ``jax.checkpoint`` with its own policy: its operands and results
     keep the dtypes autocast gives them (a remat'ed layer of an O2 model takes and returns
@@ -505,7 +570,7 @@ def _eval_remat(
     traced_at = [i for i, x in enumerate(invals) if isinstance(x, jax.core.Tracer)]
     learnt: dict[str, Any] = {}
 
-    def body(*d: Any) -> list[Any]:
+    def body(*d: jc.Value) -> list[jc.Value]:
         vals = list(invals)
         for i, x in zip(traced_at, d, strict=True):
             vals[i] = x
@@ -526,8 +591,8 @@ def _eval_remat(
 
 # -- the evaluation's rules --------------------------------------------------------------------
 #
-# Each rule evaluates one equation under the policy: (ctx, eqn, operand values, env, uses,
-# mode, traceback) -> (result values, held kinds). Calls are inlined; user remats, loops,
+# Each rule evaluates one equation under the policy: (first_order.Step, operand values) ->
+# (result values, held kinds). Calls are inlined; user remats, loops,
 # conds, custom-derivative calls and shard_map are rebuilt with autocast bodies; a higher-order
 # primitive autocast does not know runs as traced; every other equation follows the
 # first-order rules (first_order.py), which these extend. mpjax.fp8 extends these in turn
@@ -535,10 +600,17 @@ def _eval_remat(
 RULES = first_order.RULES.extend()
 
 
+def _unpack(
+    step: Step,
+) -> tuple[Context, jc.JaxprEqn, Values, Uses, Mode, jc.Traceback | None]:
+    """A step's parts, its context autocast's own (first-order rules need only a part of it)."""
+    assert isinstance(step.ctx, Context)
+    return step.ctx, step.eqn, step.env, step.uses, step.mode, step.tb
+
+
 @RULES.register(*interpret.CALL.names)
-def _inline_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _inline_rule(step: Step, invals: list[jc.Value]) -> Results:
+    ctx, eqn, env, uses, mode, tb = _unpack(step)
     closed = interpret.CALL.body(eqn)
     body = (closed.jaxpr, list(closed.consts))
     outs, holds, handed = _eval_call(ctx, body, invals, eqn, env, uses, mode, tb)
@@ -549,21 +621,18 @@ def _inline_rule(
 
 
 @RULES.register(*interpret.REMAT.names)
-def _remat_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
-    if not eqn.params.get("differentiated", True):
-        return _eval_remat(ctx, eqn, invals, env, uses, mode, tb)
-    return _rebuild_rule(ctx, eqn, invals, env, uses, mode, tb)
+def _remat_rule(step: Step, invals: list[jc.Value]) -> Results:
+    if not step.eqn.params.get("differentiated", True):
+        return _eval_remat(*_unpack(step), invals)
+    return _rebuild_rule(step, invals)
 
 
 # Every primitive with bodies autocast rebuilds, a user's remat aside (see _remat_rule).
 @RULES.register(*interpret.CUSTOM_JVP.names, *interpret.CUSTOM_VJP.names)
 @RULES.register(*interpret.SCAN.names, *interpret.WHILE.names, *interpret.COND.names)
 @RULES.register(*interpret.SHARD_MAP.names)
-def _rebuild_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _rebuild_rule(step: Step, invals: list[jc.Value]) -> Results:
+    ctx, eqn, env, uses, mode, tb = _unpack(step)
     layout = interpret.layout_of(eqn)
     assert layout is not None
     try:
@@ -588,17 +657,16 @@ def _rebuild_rule(
 
 
 @RULES.set_higher_order
-def _untouched_rule(
-    ctx: Context, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _untouched_rule(step: Step, invals: list[jc.Value]) -> Results:
     """A higher-order primitive autocast does not know, or leaves alone by design: as traced."""
+    ctx, eqn = _unpack(step)[:2]
     name = eqn.primitive.name
     _refuse_or_warn(ctx, eqn, untouched_reason(name), warn=name not in ops.UNTOUCHED_OPS)
     out = bind_untouched(eqn, invals)
     return results(eqn, out)
 
 
-def _refuse_or_warn(ctx: Context, eqn: Any, why: str, warn: bool) -> None:
+def _refuse_or_warn(ctx: Context, eqn: jc.JaxprEqn, why: str, warn: bool) -> None:
     """A sub-program about to run in its traced dtypes: an error under strict=True, else a
     warning where autocast did not mean to leave it (the audit lists it either way)."""
     name = eqn.primitive.name
@@ -618,19 +686,11 @@ def _refuse_or_warn(ctx: Context, eqn: Any, why: str, warn: bool) -> None:
         )
 
 
-def bind_with_bodies(
-    ctx: Context,
-    eqn: Any,
-    invals: list[Any],
-    env: Values,
-    uses: Uses,
-    mode: Mode,
-    tb: Any,
-    extra: Any,
-) -> tuple[list[Any], list[int]] | None:
+def bind_with_bodies(step: Step, invals: list[jc.Value], extra: Extra) -> Results | None:
     """A scan, remat or cond whose rebuilt bodies also take the operands `extra` gives (see
     _bind_with_operands; mpjax.fp8's rules pass FP8 scales into bodies this way), or None
     where the bodies cannot be rebuilt (the rules in force then run it as usual)."""
+    ctx, eqn, env, uses, mode, tb = _unpack(step)
     layout = interpret.layout_of(eqn)
     assert layout is not None
     body_facts = _body_facts(eqn, layout.body_params(eqn)[0], env, uses, ctx, mode)

@@ -4,6 +4,7 @@ core."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from mpjax._src import interpret
@@ -31,28 +32,28 @@ class Uses:
     """What each value of one jaxpr is used for (see rules.Use): the values that feed a
     decision, those that feed only f32-list ops, and the uses of the jaxpr's inputs."""
 
-    def __init__(self, decision: set[Any], f32only: set[Any], in_flags: tuple[Use, ...]):
+    def __init__(self, decision: set[jc.Atom], f32only: set[jc.Atom], in_flags: tuple[Use, ...]):
         self.decision, self.f32only, self.in_flags = decision, f32only, in_flags
 
-    def of(self, v: Any) -> Use:
+    def of(self, v: jc.Atom) -> Use:
         """`v`'s use (NO_USE for a literal or a dropped result)."""
         if isinstance(v, (jc.Literal, jc.DropVar)):
             return NO_USE
         return Use(v in self.decision, v in self.f32only)
 
 
-def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Use, ...], mode: Mode) -> Uses:
+def analyze(ctx: UseContext, jaxpr: jc.Jaxpr, out_flags: tuple[Use, ...], mode: Mode) -> Uses:
     """The uses of `jaxpr`'s values, walking it backward from its outputs' (`out_flags`), under
     `mode`; memoized in `ctx` per jaxpr, outputs' uses and mode."""
     key = (id(jaxpr), out_flags, id(mode) if isinstance(mode, Policy) else mode)
     if key in ctx.memo:
         memo: Uses = ctx.memo[key][1]
         return memo
-    decision: set[Any] = set()
-    used: set[Any] = set()
-    not_f32: set[Any] = set()
+    decision: set[jc.Atom] = set()
+    used: set[jc.Atom] = set()
+    not_f32: set[jc.Atom] = set()
 
-    def use(v: Any, flags: Use) -> None:
+    def use(v: jc.Atom, flags: Use) -> None:
         if isinstance(v, jc.Literal):
             return
         used.add(v)
@@ -61,7 +62,7 @@ def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Use, ...], mode: Mode)
         if not flags[1]:
             not_f32.add(v)
 
-    def flags_of(v: Any) -> Use:
+    def flags_of(v: jc.Atom) -> Use:
         if isinstance(v, (jc.Literal, jc.DropVar)) or v not in used:
             return NO_USE
         return Use(v in decision, v not in not_f32)
@@ -69,10 +70,10 @@ def analyze(ctx: UseContext, jaxpr: Any, out_flags: tuple[Use, ...], mode: Mode)
     for v, f in zip(jaxpr.outvars, out_flags, strict=True):
         use(v, f)
 
-    def step(eqn: Any) -> None:
+    def step(eqn: jc.JaxprEqn) -> None:
         eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
         outs = [v for v in eqn.outvars if not isinstance(v, jc.DropVar)]
-        fouts = [v for v in outs if is_float_dtype(v.aval.dtype)]
+        fouts = [v for v in outs if is_float_dtype(jc.aval(v).dtype)]
         out_dec = any(v in decision for v in fouts)
         out_f32 = bool(fouts) and all(v in used and v not in not_f32 for v in fouts)
         flags = USE_RULES(eqn)(ctx, eqn, eqn_mode, out_dec, out_f32, flags_of)
@@ -100,13 +101,18 @@ USE_RULES = interpret.Rules(
 
 @USE_RULES.set_higher_order
 @USE_RULES.register(*interpret.REMAT.names, *interpret.SHARD_MAP.names)
-def _opaque_uses(ctx: UseContext, eqn: Any, *_: Any) -> list[Use]:
+def _opaque_uses(ctx: UseContext, eqn: jc.JaxprEqn, *_: Any) -> list[Use]:
     return [NO_USE] * len(eqn.invars)
 
 
 @USE_RULES.register(*interpret.CALL.names, *interpret.CUSTOM_JVP.names, *interpret.CUSTOM_VJP.names)
 def _call_uses(
-    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext,
+    eqn: jc.JaxprEqn,
+    mode: Mode,
+    out_dec: bool,
+    out_f32: bool,
+    flags_of: Callable[[jc.Atom], Use],
 ) -> list[Use]:
     out_flags = tuple(flags_of(v) for v in eqn.outvars)
     inner = interpret.call_body(eqn)
@@ -115,7 +121,12 @@ def _call_uses(
 
 @USE_RULES.register(*interpret.WHILE.names)
 def _while_uses(
-    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext,
+    eqn: jc.JaxprEqn,
+    mode: Mode,
+    out_dec: bool,
+    out_f32: bool,
+    flags_of: Callable[[jc.Atom], Use],
 ) -> list[Use]:
     cf, bf, decided = while_facts(ctx, eqn, mode)
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)
@@ -125,7 +136,12 @@ def _while_uses(
 
 @USE_RULES.register(*interpret.SCAN.names)
 def _scan_uses(
-    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext,
+    eqn: jc.JaxprEqn,
+    mode: Mode,
+    out_dec: bool,
+    out_f32: bool,
+    flags_of: Callable[[jc.Atom], Use],
 ) -> list[Use]:
     body = interpret.SCAN.body(eqn)
     bf = analyze(ctx, body.jaxpr, (NO_USE,) * len(body.jaxpr.outvars), mode).in_flags
@@ -134,7 +150,12 @@ def _scan_uses(
 
 @USE_RULES.register(*interpret.COND.names)
 def _cond_uses(
-    ctx: UseContext, eqn: Any, mode: Mode, out_dec: bool, out_f32: bool, flags_of: Any
+    ctx: UseContext,
+    eqn: jc.JaxprEqn,
+    mode: Mode,
+    out_dec: bool,
+    out_f32: bool,
+    flags_of: Callable[[jc.Atom], Use],
 ) -> list[Use]:
     branch_flags = [
         analyze(ctx, b.jaxpr, (NO_USE,) * len(b.jaxpr.outvars), mode).in_flags
@@ -145,7 +166,9 @@ def _cond_uses(
     return [NO_USE] + [Use(d, False) for d in decides]
 
 
-def while_facts(ctx: UseContext, eqn: Any, mode: Mode) -> tuple[Any, Any, frozenset[int]]:
+def while_facts(
+    ctx: UseContext, eqn: jc.JaxprEqn, mode: Mode
+) -> tuple[tuple[Use, ...], tuple[Use, ...], frozenset[int]]:
     """The carries a while loop's condition depends on (through any number of iterations)."""
     cond, body = interpret.while_bodies(eqn)
     cconsts, bconsts, carry = interpret.while_parts(eqn, eqn.invars)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -41,7 +41,7 @@ from mpjax._src.rules import (
     saturates_fills,
 )
 from mpjax._src.rules import target_dtype as _target_dtype
-from mpjax._src.values import Values, cast, params_at
+from mpjax._src.values import Results, Values, cast, params_at
 
 
 class RuleContext(Protocol):
@@ -49,10 +49,24 @@ class RuleContext(Protocol):
 
     policy: Policy
     in_rule: bool  # a custom-derivative rule is being evaluated (see rules.WideSums.of)
+    shadow: bool  # for mpjax.compare's float32 shadow (see autocast_api.for_shadow)
 
 
-# The first-order rules, by primitive: (ctx, eqn, operand values, env, uses, mode, traceback)
-# -> (result values, held kinds). autocast.RULES extends them with the higher-order ones.
+class Step(NamedTuple):
+    """What an evaluation rule is given beside the operands' values: one equation's step."""
+
+    ctx: RuleContext  # the evaluation's context (autocast.Context)
+    eqn: jc.JaxprEqn
+    env: Values  # what is known of each value so far
+    uses: Uses  # the use analysis of the equation's jaxpr
+    mode: Mode  # the policy or region mode it runs under
+    tb: jc.Traceback | None  # where it was written (an inlined call's: the call site)
+
+
+# An evaluation rule: (step, the operands' values) -> Results.
+Rule = Callable[[Step, list[jc.Value]], Results]
+
+# The first-order rules, by primitive. autocast.RULES extends them with the higher-order ones.
 RULES = interpret.Rules()
 
 UNTOUCHED_SCOPE = "mpjax_untouched"
@@ -67,12 +81,12 @@ def untouched_reason(prim: str, code: str = "") -> str:
     return ops.UNTOUCHED_OPS.get(prim, "a primitive autocast does not know: runs as traced")
 
 
-def _value(x: Any, v: Any) -> Any:
+def _value(x: jc.Value, v: jc.Atom) -> jc.Value | np.ndarray:
     """`x` as something with a dtype and shape (literals are plain or typed Python scalars)."""
     return jc.literal_array(v) if isinstance(v, jc.Literal) else x
 
 
-def to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
+def to_traced(vals: list[jc.Value], avals: list[Any]) -> list[jc.Value]:
     out = []
     for x, aval in zip(vals, avals, strict=True):
         if hasattr(x, "dtype") and is_float_dtype(x.dtype) and x.dtype != aval.dtype:
@@ -81,40 +95,38 @@ def to_traced(vals: list[Any], avals: list[Any]) -> list[Any]:
     return out
 
 
-def bind_untouched(eqn: Any, invals: list[Any], code: str = "") -> Any:
+def bind_untouched(eqn: jc.JaxprEqn, invals: list[jc.Value], code: str = "") -> jc.Value:
     # Marked in the HLO metadata so that the audit can show where autocast stood aside, and why
     # (untouched_reason reads the scope back).
     suffix = f":{code}" if code else ""
     with jax.named_scope(f"{UNTOUCHED_SCOPE}:{eqn.primitive.name}{suffix}"):
-        return jc.bind(eqn.primitive, to_traced(invals, [v.aval for v in eqn.invars]), eqn.params)
+        out: jc.Value = jc.bind(
+            eqn.primitive, to_traced(invals, [v.aval for v in eqn.invars]), eqn.params
+        )
+        return out
 
 
-def results(eqn: Any, out: Any, hold: int = Hold.NONE) -> tuple[list[Any], list[int]]:
+def results(eqn: jc.JaxprEqn, out: jc.Value, hold: int = Hold.NONE) -> Results:
     """A rule's return: `eqn`'s result values as a list, each held as `hold`."""
     return (list(out) if eqn.primitive.multiple_results else [out]), [hold] * len(eqn.outvars)
 
 
 @RULES.set_default
-def _primitive_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _primitive_rule(step: Step, invals: list[jc.Value]) -> Results:
     """A first-order equation under the dtype rule (rules.target_dtype)."""
-    return _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
+    return _apply(step, invals, _cast_and_bind)
 
 
 def _apply(
-    ctx: RuleContext,
-    eqn: Any,
-    invals: list[Any],
-    env: Values,
-    uses: Uses,
-    mode: Mode,
-    cast_and_bind: Callable[..., tuple[list[Any], list[int]]],
-    keep_bind: Callable[[list[Any], WideSums], Any] | None = None,
-) -> tuple[list[Any], list[int]]:
+    step: Step,
+    invals: list[jc.Value],
+    cast_and_bind: Callable[..., Results],
+    keep_bind: Callable[[list[jc.Value], WideSums], jc.Value] | None = None,
+) -> Results:
     """`eqn` as rules.target_dtype decides: kept as it is (data movement, by `keep_bind` if
     given), as traced, or run by `cast_and_bind` on its operands cast to the decision's dtype
     (see _cast_and_bind)."""
+    ctx, eqn, env, uses, mode, _ = step
     if eqn.primitive.name in FILL_OPS and saturates_fills(mode):
         invals = env.saturate_fills(eqn, invals, np.dtype(mode.compute_dtype))
     vals = [_value(x, v) for x, v in zip(invals, eqn.invars, strict=True)]
@@ -132,7 +144,12 @@ def _apply(
 
 
 def _decide(
-    ctx: RuleContext, eqn: Any, vals: list[Any], env: Values, uses: Uses, mode: Mode
+    ctx: RuleContext,
+    eqn: jc.JaxprEqn,
+    vals: list[jc.Value | np.ndarray],
+    env: Values,
+    uses: Uses,
+    mode: Mode,
 ) -> Decision:
     """rules.target_dtype's decision for `eqn`, from what `env` and `uses` know of its
     operands and results."""
@@ -163,12 +180,12 @@ def _decide(
 
 
 def _keep(
-    eqn: Any,
-    invals: list[Any],
+    eqn: jc.JaxprEqn,
+    invals: list[jc.Value],
     env: Values,
     mode: Mode,
     wide_sums: WideSums,
-    bind: Callable[[list[Any], WideSums], Any] | None = None,
+    bind: Callable[[list[jc.Value], WideSums], jc.Value] | None = None,
 ) -> Any:
     """`eqn` (data movement) on its operands as they are, in their dtypes, by `bind` (`eqn`'s
     primitive if None; see _gather_rule)."""
@@ -186,19 +203,20 @@ def _keep(
 
 
 def _cast_and_bind(
-    eqn: Any,
-    vals: list[Any],
-    invals: list[Any],
+    eqn: jc.JaxprEqn,
+    vals: list[jc.Value],
+    invals: list[jc.Value],
     env: Values,
     mode: Mode,
     decision: Decision,
     wide_sums: WideSums,
     bind: Callable[..., Any] | None = None,
-) -> tuple[list[Any], list[int]]:
+) -> Results:
     """`eqn` on its float operands cast to the decision's dtype, by `bind` (`eqn`'s primitive
     if None; see _dot_rule): its results and their holds."""
     name, target, hold = eqn.primitive.name, decision.dtype, decision.hold
-    out_shape = tuple(eqn.outvars[0].aval.shape) if name in ELEMENTWISE else None
+    assert target is not None  # a CAST decision has its dtype
+    out_shape = tuple(jc.aval(eqn.outvars[0]).shape) if name in ELEMENTWISE else None
     sharding = jc.typed_sharding(eqn.outvars[0].aval) if out_shape is not None else None
     cast_vals = [
         env.cast(
@@ -211,7 +229,7 @@ def _cast_and_bind(
             else wide_sums.activations or (wide_sums.grads and env.is_param(v)),
             sharding,
         )
-        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(v.aval.dtype)
+        if hasattr(x, "dtype") and is_float_dtype(x.dtype) and is_float_dtype(jc.aval(v).dtype)
         else raw
         for x, raw, v in zip(vals, invals, eqn.invars, strict=True)
     ]
@@ -231,47 +249,44 @@ def _cast_and_bind(
 
 
 @RULES.register("convert_element_type")
-def _convert_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _convert_rule(step: Step, invals: list[jc.Value]) -> Results:
     """A convert from an integer or a bool makes an index (see Values.index); one between
     floats converts to the dtype the rule decides, the traced target's where it casts."""
-    if not is_float_dtype(eqn.invars[0].aval.dtype):
+    eqn, env = step.eqn, step.env
+    if not is_float_dtype(jc.aval(eqn.invars[0]).dtype):
         env.mark_results(eqn, index=True)
-    return _apply(ctx, eqn, invals, env, uses, mode, _convert)
+    return _apply(step, invals, _convert)
 
 
 def _convert(
-    eqn: Any, vals: list[Any], invals: list[Any], env: Values, *_: Any
-) -> tuple[list[Any], list[int]]:
-    src, dst = eqn.invars[0].aval.dtype, eqn.params["new_dtype"]
+    eqn: jc.JaxprEqn, vals: list[jc.Value], invals: list[jc.Value], env: Values, *_: Any
+) -> Results:
+    src, dst = jc.aval(eqn.invars[0]).dtype, eqn.params["new_dtype"]
     if src == dst and is_float_dtype(dst):  # a weak-type change only: keep the current dtype
         return [invals[0]], [env.held_kind(eqn.invars[0])]
     return results(eqn, jc.bind(eqn.primitive, invals, eqn.params))
 
 
 @RULES.register("broadcast_in_dim")
-def _broadcast_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _broadcast_rule(step: Step, invals: list[jc.Value]) -> Results:
     """A broadcast under the dtype rule; one that grows its operand is recorded as spread, so
     that adding it to a matmul's result is a bias add (see Values.is_bias_add)."""
-    out = _apply(ctx, eqn, invals, env, uses, mode, _cast_and_bind)
+    eqn, env = step.eqn, step.env
+    out = _apply(step, invals, _cast_and_bind)
     if n_elements(eqn.outvars[0]) > n_elements(eqn.invars[0]):
         env.mark_results(eqn, spread=True)
     return out
 
 
 @RULES.register("gather")
-def _gather_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _gather_rule(step: Step, invals: list[jc.Value]) -> Results:
     """A gather under the dtype rule; a lookup in a param table at O2/O3 takes its rows in
     half (rules.looks_up_half), even where a float32 op (a norm) takes them, so the lookup and
     the collectives on it move half bytes. Rows a comparison reads (a decision) keep float32."""
+    eqn, env, uses, mode = step.eqn, step.env, step.uses, step.mode
     cast_and_bind = functools.partial(_cast_and_bind, bind=_bind_gather)
     keep = lambda vals, wide_sums: lookup(eqn.params, vals[0], vals[1], wide_sums.lookups)
-    outs, holds = _apply(ctx, eqn, invals, env, uses, mode, cast_and_bind, keep)
+    outs, holds = _apply(step, invals, cast_and_bind, keep)
     out = eqn.outvars[0]
     if looks_up_half(mode) and env.is_param(eqn.invars[0]) and not uses.of(out).decides:
         facts = env.facts(out)
@@ -284,9 +299,9 @@ def _gather_rule(
 
 
 def _bind_gather(
-    eqn: Any,
-    vals: list[Any],
-    cast_vals: list[Any],
+    eqn: jc.JaxprEqn,
+    vals: list[jc.Value],
+    cast_vals: list[jc.Value],
     params: dict[str, Any],
     env: Values,
     target: np.dtype,
@@ -297,19 +312,17 @@ def _bind_gather(
 
 
 @RULES.register("dot_general")
-def _dot_rule(
-    ctx: RuleContext, eqn: Any, invals: list[Any], env: Values, uses: Uses, mode: Mode, tb: Any
-) -> tuple[list[Any], list[int]]:
+def _dot_rule(step: Step, invals: list[jc.Value]) -> Results:
     """A matmul under the dtype rule; where the policy reduces gradients in float32, that of a
     param comes out of the half matmul in float32 (see _bind_wide_grads)."""
     cast_and_bind = functools.partial(_cast_and_bind, bind=_bind_wide_grads)
-    return _apply(ctx, eqn, invals, env, uses, mode, cast_and_bind)
+    return _apply(step, invals, cast_and_bind)
 
 
 def _bind_wide_grads(
-    eqn: Any,
-    vals: list[Any],
-    cast_vals: list[Any],
+    eqn: jc.JaxprEqn,
+    vals: list[jc.Value],
+    cast_vals: list[jc.Value],
     params: dict[str, Any],
     env: Values,
     target: np.dtype,

@@ -17,6 +17,7 @@ from jax.extend import core as jex_core
 
 from mpjax._src import autocast as autocast_lib
 from mpjax._src import autocast_api, interpret, levels, transform, values
+from mpjax._src.first_order import Step
 from mpjax._src.fp8_dot import (
     E4M3,
     E5M2,
@@ -32,6 +33,7 @@ from mpjax._src.fp8_dot import (
 )
 from mpjax._src.policy import Policy, is_float8
 from mpjax._src.rules import Hold
+from mpjax._src.values import Results
 
 _ROLES = 3
 _ALIGN = 16  # tensor cores take FP8 matrices whose dimensions are multiples of 16
@@ -420,24 +422,22 @@ class _Sites:
         rules = autocast_lib.RULES.extend()
 
         @rules.register("dot_general")
-        def dot(ctx: Any, eqn: Any, invals: list[Any], env: Any, uses: Any, mode: Any, tb: Any):
-            if isinstance(mode, Policy):
-                out = self(eqn, invals, mode, ctx.shadow)
+        def dot(step: Step, invals: list[Any]) -> Results:
+            if isinstance(step.mode, Policy):
+                out = self(step.eqn, invals, step.mode, step.ctx.shadow)
                 if out is not None:
                     return [out], [Hold.NONE]
-            return rules.inherited(eqn)(ctx, eqn, invals, env, uses, mode, tb)
+            return rules.inherited(step.eqn)(step, invals)
 
         @rules.register(*interpret.SCAN.names, *interpret.COND.names, *interpret.REMAT.names)
-        def body(ctx: Any, eqn: Any, invals: list[Any], env: Any, uses: Any, mode: Any, tb: Any):
-            if isinstance(mode, Policy):
-                extra = self.body(eqn, mode)
+        def body(step: Step, invals: list[Any]) -> Results:
+            if isinstance(step.mode, Policy):
+                extra = self.body(step.eqn, step.mode)
                 if extra is not None:
-                    out = autocast_lib.bind_with_bodies(
-                        ctx, eqn, invals, env, uses, mode, tb, extra
-                    )
+                    out = autocast_lib.bind_with_bodies(step, invals, extra)
                     if out is not None:
                         return out
-            return rules.inherited(eqn)(ctx, eqn, invals, env, uses, mode, tb)
+            return rules.inherited(step.eqn)(step, invals)
 
         return rules
 

@@ -16,20 +16,22 @@ from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.rules import n_elements, sums_stay_local
 
 
-def gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable[..., Any]:
+def gather_half(
+    params: dict[str, Any], half: np.dtype, x_aval: jc.ShapedArray
+) -> Callable[..., jc.Value]:
     """gather(x.astype(half), indices), differentiated as gather(x, indices) then the cast:
     the cotangent goes up to float32 and scatter-adds there, so the rows an embedding lookup
     takes many times sum in float32. `x_aval` is x's type."""
     gather = lambda x, idx: jc.bind(lax.gather_p, [x, idx], params)
 
     @jax.custom_vjp
-    def f(x: Any, idx: Any) -> Any:
+    def f(x: jc.Value, idx: jc.Value) -> jc.Value:
         return gather(jc.convert(x, half), idx)
 
-    def fwd(x: Any, idx: Any) -> Any:
+    def fwd(x: jc.Value, idx: jc.Value) -> tuple[jc.Value, jc.Value]:
         return f(x, idx), idx
 
-    def bwd(idx: Any, ct: Any) -> Any:
+    def bwd(idx: jc.Value, ct: jc.Value) -> tuple[jc.Value, None]:
         (dx,) = jax.linear_transpose(lambda x: gather(x, idx), x_aval)(ct.astype(x_aval.dtype))
         return dx, None
 
@@ -37,7 +39,7 @@ def gather_half(params: dict[str, Any], half: np.dtype, x_aval: Any) -> Callable
     return f
 
 
-def gather_summing_wide(params: dict[str, Any]) -> Callable[..., Any]:
+def gather_summing_wide(params: dict[str, Any]) -> Callable[..., jc.Value]:
     """gather(x, indices) on a half `x`, whose cotangent scatter-adds in float32 and is rounded
     to x's dtype once. JAX's own transpose scatter-adds in x's dtype, one rounding per row
     taken: a row an embedding lookup takes a few hundred times (a frequent token) then sums
@@ -47,11 +49,13 @@ def gather_summing_wide(params: dict[str, Any]) -> Callable[..., Any]:
     gather = lambda x, idx: jc.bind(lax.gather_p, [x, idx], params)
 
     @jax.custom_jvp
-    def f(x: Any, idx: Any) -> Any:
+    def f(x: jc.Value, idx: jc.Value) -> jc.Value:
         return gather(x, idx)
 
     @f.defjvp
-    def f_jvp(primals: Any, tangents: Any) -> Any:
+    def f_jvp(
+        primals: tuple[jc.Value, ...], tangents: tuple[jc.Value, ...]
+    ) -> tuple[jc.Value, jc.Value]:
         x, idx = primals
         t = jc.convert(gather(jc.convert(tangents[0], np.float32), idx), x.dtype)
         return gather(x, idx), t
@@ -59,7 +63,7 @@ def gather_summing_wide(params: dict[str, Any]) -> Callable[..., Any]:
     return f
 
 
-def lookup(params: dict[str, Any], x: Any, idx: Any, sum_wide: bool) -> Any:
+def lookup(params: dict[str, Any], x: jc.Value, idx: jc.Value, sum_wide: bool) -> jc.Value:
     """gather(x, idx) with `params`; through gather_summing_wide where `sum_wide` (see
     rules.WideSums.lookups), its transpose would sum repeated rows in half, and that sum stays
     on one device (rules.sums_stay_local)."""
@@ -68,7 +72,7 @@ def lookup(params: dict[str, Any], x: Any, idx: Any, sum_wide: bool) -> Any:
     return jc.bind(lax.gather_p, [x, idx], params)
 
 
-def sums_repeats(params: dict[str, Any], x: Any) -> bool:
+def sums_repeats(params: dict[str, Any], x: jc.Value) -> bool:
     """Whether a gather with `params` of `x` transposes to a scatter-add in half that may add
     several cotangents into one element (its indices are not marked unique)."""
     dtype = getattr(x, "dtype", None)
@@ -81,8 +85,11 @@ def sums_repeats(params: dict[str, Any], x: Any) -> bool:
 
 
 def dot_wide_grads(
-    params: dict[str, Any], half: np.dtype, wide: tuple[bool, ...], avals: tuple[Any, ...]
-) -> Callable[..., Any]:
+    params: dict[str, Any],
+    half: np.dtype,
+    wide: tuple[bool, ...],
+    avals: tuple[jc.ShapedArray, ...],
+) -> Callable[..., jc.Value]:
     """dot_general(a, b) in `half`, where the operands `wide` marks are float32 and cast to
     `half` inside; their cotangents come from half matmuls that write float32 (tensor cores
     accumulate in float32 anyway), not from half ones cast up. The residuals are the half
@@ -94,14 +101,14 @@ def dot_wide_grads(
     )
 
     @jax.custom_vjp
-    def f(a: Any, b: Any) -> Any:
+    def f(a: jc.Value, b: jc.Value) -> jc.Value:
         return dot(jc.convert(a, half), jc.convert(b, half), half)
 
-    def fwd(a: Any, b: Any) -> Any:
+    def fwd(a: jc.Value, b: jc.Value) -> tuple[jc.Value, tuple[jc.Value, jc.Value]]:
         a_h, b_h = jc.convert(a, half), jc.convert(b, half)
         return dot(a_h, b_h, half), (a_h, b_h)
 
-    def bwd(res: Any, g: Any) -> Any:
+    def bwd(res: tuple[jc.Value, jc.Value], g: jc.Value) -> tuple[jc.Value, jc.Value]:
         a_h, b_h = res
         _, vjp = jax.vjp(lambda a, b: dot(a, b, half), a_h, b_h)
         da, db = vjp(g)
@@ -117,8 +124,13 @@ def dot_wide_grads(
 
 
 def _dot_transpose_lhs(
-    g: Any, x_aval: Any, y: Any, dims: Any, params: dict[str, Any], swap: bool = False
-) -> Any:
+    g: jc.Value,
+    x_aval: jc.ShapedArray,
+    y: jc.Value,
+    dims: Any,
+    params: dict[str, Any],
+    swap: bool = False,
+) -> jc.Value:
     """The cotangent of dot_general's left operand (of type `x_aval`), summed in float32 from
     the half `g` and `y`: JAX's own transpose rule (jax/_src/lax/lax.py,
     _dot_general_transpose_lhs, Apache-2.0), with a float32 result."""
@@ -150,7 +162,7 @@ def _dot_transpose_lhs(
     return lax.transpose(out, tuple(int(i) for i in np.argsort(unsorted)))
 
 
-def grows_half(eqn: Any, invals: list[Any]) -> bool:
+def grows_half(eqn: jc.JaxprEqn, invals: list[jc.Value]) -> bool:
     """Whether `eqn` broadcasts a half value to more elements."""
     if eqn.primitive.name != "broadcast_in_dim" or n_elements(eqn.outvars[0]) <= n_elements(
         eqn.invars[0]

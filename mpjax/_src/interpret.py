@@ -13,7 +13,7 @@ once, in the tables and decoders below.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from mpjax._src import jax_compat as jc
 
@@ -105,11 +105,11 @@ def is_custom_call(eqn: jc.JaxprEqn) -> bool:
     return CUSTOM_JVP.of(eqn) or CUSTOM_VJP.of(eqn)
 
 
-def is_jaxpr(x: Any) -> bool:
+def is_jaxpr(x: jc.Value) -> bool:
     return isinstance(x, (jc.Jaxpr, jc.ClosedJaxpr))
 
 
-def open_jaxpr(j: Any) -> tuple[Any, list[Any]]:
+def open_jaxpr(j: jc.Jaxpr | jc.ClosedJaxpr) -> tuple[jc.Jaxpr, list[jc.Value]]:
     """(jaxpr, consts) of a closed or open jaxpr."""
     if isinstance(j, jc.ClosedJaxpr):
         return j.jaxpr, list(j.consts)
@@ -122,7 +122,7 @@ def call_body(eqn: jc.JaxprEqn, table: Mapping[str, str] = CALLS) -> Any:
     return None if key is None else eqn.params[key]
 
 
-def bodies(eqn: jc.JaxprEqn) -> list[Any]:
+def bodies(eqn: jc.JaxprEqn) -> list[jc.Jaxpr | jc.ClosedJaxpr]:
     """Every jaxpr among `eqn`'s params (a cond's branches each), a scatter's combiner too."""
     return [
         sub
@@ -149,13 +149,13 @@ def scan_parts(eqn: jc.JaxprEqn, xs: Sequence[T]) -> tuple[list[T], list[T], lis
     return list(xs[:k]), list(xs[k : k + nc]), list(xs[k + nc :])
 
 
-def while_bodies(eqn: jc.JaxprEqn) -> tuple[Any, Any]:
+def while_bodies(eqn: jc.JaxprEqn) -> tuple[jc.ClosedJaxpr, jc.ClosedJaxpr]:
     """A while loop's (condition, body), closed jaxprs."""
     condition, body = WHILE.body_params(eqn)
     return eqn.params[condition], eqn.params[body]
 
 
-def branches(eqn: jc.JaxprEqn) -> tuple[Any, ...]:
+def branches(eqn: jc.JaxprEqn) -> tuple[jc.ClosedJaxpr, ...]:
     """A cond's branches, closed jaxprs."""
     return COND.body(eqn)  # type: ignore[no-any-return]
 
@@ -254,19 +254,24 @@ class Rules:
 # -- the loops ----------------------------------------------------------------------------------
 
 
-class Env:
+class Env(Generic[T]):
     """The values of a jaxpr's variables during a forward walk."""
 
-    def __init__(self, jaxpr: Any = None, consts: Sequence[Any] = (), args: Sequence[Any] = ()):
-        self.vals: dict[Any, Any] = {}
+    def __init__(
+        self,
+        jaxpr: jc.Jaxpr | None = None,
+        consts: Sequence[T] = (),
+        args: Sequence[T] = (),
+    ):
+        self.vals: dict[jc.Atom, T] = {}
         if jaxpr is not None:
             self.vals.update(zip(jaxpr.constvars, consts, strict=True))
             self.vals.update(zip(jaxpr.invars, args, strict=True))
 
-    def read(self, v: Any) -> Any:
+    def read(self, v: jc.Atom) -> T:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
 
-    def write(self, eqn: jc.JaxprEqn, outs: Sequence[Any]) -> None:
+    def write(self, eqn: jc.JaxprEqn, outs: Sequence[T]) -> None:
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jc.DropVar):
                 self.vals[v] = x
@@ -275,17 +280,17 @@ class Env:
 class _NoValues:
     """The environment of a walk that computes no values (a count): reads give None."""
 
-    def read(self, v: Any) -> None:
+    def read(self, v: jc.Atom) -> None:
         return None
 
-    def write(self, eqn: jc.JaxprEqn, outs: Any) -> None:
+    def write(self, eqn: jc.JaxprEqn, outs: object) -> None:
         pass
 
 
 NO_VALUES = _NoValues()
 
 
-def forward(jaxpr: Any, env: Any, step: Callable[[Any, list[Any]], Any]) -> list[Any]:
+def forward(jaxpr: jc.Jaxpr, env: Any, step: Callable[[jc.JaxprEqn, list[T]], Any]) -> list[T]:
     """Walks `jaxpr`'s equations in order: ``env.write(eqn, step(eqn, operand values))``;
     returns the values of its outputs. `env` is an :class:`Env` or anything with its
     ``read``/``write``."""
@@ -294,13 +299,13 @@ def forward(jaxpr: Any, env: Any, step: Callable[[Any, list[Any]], Any]) -> list
     return [env.read(v) for v in jaxpr.outvars]
 
 
-def backward(jaxpr: Any, step: Callable[[Any], None]) -> None:
+def backward(jaxpr: jc.Jaxpr, step: Callable[[jc.JaxprEqn], None]) -> None:
     """Walks `jaxpr`'s equations from the last to the first (for analyses of uses)."""
     for eqn in reversed(jaxpr.eqns):
         step(eqn)
 
 
-def eqns_within(jaxpr: Any) -> Iterator[Any]:
+def eqns_within(jaxpr: jc.Jaxpr) -> Iterator[jc.JaxprEqn]:
     """Every equation of `jaxpr` and of the jaxprs nested in it, in order, depth first."""
     for eqn in jaxpr.eqns:
         yield eqn

@@ -5,7 +5,7 @@ of kept; a softmax island is differentiated from its half output instead (see _s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +29,7 @@ ISLAND_OPS = ops.having(Trait.ISLAND)
 _ISLAND_TESTS = ops.having(Trait.ISLAND_TEST)
 
 
-def is_island_call(eqn: Any) -> bool:
+def is_island_call(eqn: jc.JaxprEqn) -> bool:
     """Whether `eqn` is a ``custom_jvp`` function whose body holds island ops only
     (`jnp.logaddexp`, and through it `jax.nn.softplus` and `log_sigmoid`): it extends a float32
     island as one op does, its derivative rule kept, so that the island does not end at it
@@ -77,34 +77,40 @@ def tangents_inside() -> Iterator[None]:
         _NAMING.pop()
 
 
-def _named(x: Any, name: str) -> Any:
+def _named(x: jc.Value, name: str) -> jc.Value:
     """``checkpoint_name(x, name)`` (typed)."""
-    return checkpoint_name(x, name)  # type: ignore[no-untyped-call]
+    named: jc.Value = checkpoint_name(x, name)  # type: ignore[no-untyped-call]
+    return named
 
 
-def as_island(x: Any) -> Any:
+def as_island(x: jc.Value) -> jc.Value:
     """`x` named as a float32 island's value (see Values.tag_island)."""
     return _named(x, ISLAND)
 
 
-def _unnamed(made: dict[Any, Any], v: Any) -> Any:
+def _maker(made: dict[jc.Var, jc.JaxprEqn], v: jc.Atom) -> jc.JaxprEqn | None:
+    """The equation that makes `v` (None for a literal or an input)."""
+    return None if isinstance(v, jc.Literal) else made.get(v)
+
+
+def _unnamed(made: dict[jc.Var, jc.JaxprEqn], v: jc.Atom) -> jc.Atom:
     """The value `v` names (through ``checkpoint_name`` equations), or `v` itself."""
     while not isinstance(v, jc.Literal) and v in made and made[v].primitive.name == "name":
         v = made[v].invars[0]
     return v
 
 
-def _statistics(run: list[Any]) -> set[Any]:
+def _statistics(run: list[jc.JaxprEqn]) -> set[jc.Atom]:
     """The results of `run` its recompute keeps (see STATISTIC). The sum of an exp's results
     (through ISLAND names) is a softmax's normalizer: XLA fuses a whole softmax into one
     kernel forward and one backward when it is not kept; kept, the forward takes three."""
     made = {u: e for e in run for u in e.outvars}
 
-    def size(v: Any) -> int:
-        return int(np.prod(v.aval.shape, dtype=np.int64))
+    def size(v: jc.Atom) -> int:
+        return int(np.prod(jc.aval(v).shape, dtype=np.int64))
 
-    def of_exp(v: Any) -> bool:
-        e = made.get(_unnamed(made, v))
+    def of_exp(v: jc.Atom) -> bool:
+        e = _maker(made, _unnamed(made, v))
         return e is not None and e.primitive.name == "exp"
 
     return {
@@ -125,13 +131,13 @@ _REBROADCAST = ops.having(Trait.REBROADCAST)
 
 
 class _Softmax(NamedTuple):
-    z: Any  # the scores the exp reads
+    z: jc.Var  # the scores the exp reads
     axes: tuple[int, ...]  # the softmax's axes
-    differentiable: list[Any]  # the region's inputs z is affine in
-    prefix: list[Any]  # the equations computing z from them
+    differentiable: list[jc.Var]  # the region's inputs z is affine in
+    prefix: list[jc.JaxprEqn]  # the equations computing z from them
 
 
-def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None:
+def _softmax(run: list[jc.JaxprEqn], ins: list[jc.Var], outs: list[jc.Var]) -> _Softmax | None:
     """The softmax a region computes, if it is one (see _Softmax), where the
     region's one output is a half cast of ``exp(z - m) / sum(exp(z - m), axes)`` with `m`
     constant along `axes` (a row max), and `z` is affine in the region's float inputs (a cast
@@ -151,15 +157,17 @@ def _softmax(run: list[Any], ins: list[Any], outs: list[Any]) -> _Softmax | None
     return _Softmax(z, axes, differentiable, prefix)
 
 
-def _softmax_scores(made: dict[Any, Any], out: Any) -> tuple[Any, tuple[int, ...]] | None:
+def _softmax_scores(
+    made: dict[jc.Var, jc.JaxprEqn], out: jc.Var
+) -> tuple[jc.Var, tuple[int, ...]] | None:
     """(z, axes) where `out` is a half cast of ``exp(z - m) / sum(exp(z - m), axes)`` with
     `m` constant along `axes`, else None."""
 
-    def src(v: Any) -> Any:
+    def src(v: jc.Atom) -> jc.Atom:
         return _unnamed(made, v)
 
-    def eqn(v: Any, name: str) -> Any:
-        e = made.get(src(v)) if not isinstance(v, jc.Literal) else None
+    def eqn(v: jc.Atom, name: str) -> jc.JaxprEqn | None:
+        e = _maker(made, src(v))
         return e if e is not None and e.primitive.name == name else None
 
     cast = made.get(out)
@@ -180,26 +188,26 @@ def _softmax_scores(made: dict[Any, Any], out: Any) -> tuple[Any, tuple[int, ...
     if src(total.invars[0]) != ex.outvars[0]:
         return None
     axes = tuple(total.params["axes"])
-    shape = ex.outvars[0].aval.shape
+    shape = jc.aval(ex.outvars[0]).shape
     kept = tuple(d for i, d in enumerate(shape) if i not in axes)
-    if tuple(total.outvars[0].aval.shape) != kept or not _along(made, div.invars[1], axes):
+    if tuple(jc.aval(total.outvars[0]).shape) != kept or not _along(made, div.invars[1], axes):
         return None
     sub = eqn(ex.invars[0], "sub")
     if sub is None or not _along(made, sub.invars[1], axes):
         return None
     z = src(sub.invars[0])
-    if isinstance(z, jc.Literal) or tuple(z.aval.shape) != tuple(shape):
+    if isinstance(z, jc.Literal) or tuple(jc.aval(z).shape) != tuple(shape):
         return None
     return z, axes
 
 
 def _affine_prefix(
-    made: dict[Any, Any], run: list[Any], ins: list[Any], z: Any
-) -> tuple[list[Any], list[Any]] | None:
+    made: dict[jc.Var, jc.JaxprEqn], run: list[jc.JaxprEqn], ins: list[jc.Var], z: jc.Var
+) -> tuple[list[jc.Var], list[jc.JaxprEqn]] | None:
     """(the region's inputs `z` is affine in, the equations computing `z` from them), where
     each op on the way is affine, at most one of its operands carrying them (a select's
     predicate and fill do not); else None."""
-    carries: dict[Any, bool] = {v: is_float_dtype(v.aval.dtype) for v in ins}
+    carries: dict[jc.Atom, bool] = {v: is_float_dtype(jc.aval(v).dtype) for v in ins}
     for e in run:
         got = [not isinstance(u, jc.Literal) and carries.get(u, False) for u in e.invars]
         for u in e.outvars:
@@ -217,15 +225,15 @@ def _affine_prefix(
         if name != "select_n" and sum(got) > 1:
             return None
     differentiable = [v for v in ins if carries.get(v) and v in _reads(prefix, z)]
-    if any(tuple(v.aval.shape) != tuple(z.aval.shape) for v in differentiable):
+    if any(tuple(jc.aval(v).shape) != tuple(jc.aval(z).shape) for v in differentiable):
         return None
     return differentiable, prefix
 
 
-def _ancestors(made: dict[Any, Any], v: Any) -> list[Any]:
+def _ancestors(made: dict[jc.Var, jc.JaxprEqn], v: jc.Atom) -> list[jc.JaxprEqn]:
     """The equations `v` is computed from, in order."""
     seen: set[int] = set()
-    todo = [v]
+    todo: list[jc.Atom] = [v]
     while todo:
         u = todo.pop()
         e = made.get(u) if not isinstance(u, jc.Literal) else None
@@ -235,20 +243,22 @@ def _ancestors(made: dict[Any, Any], v: Any) -> list[Any]:
     return [e for e in dict.fromkeys(made.values()) if id(e) in seen]
 
 
-def _reads(eqns: list[Any], z: Any) -> set[Any]:
+def _reads(eqns: list[jc.JaxprEqn], z: jc.Var) -> set[jc.Atom]:
     """The values `eqns` read, and `z` itself (a region input taken as it is)."""
-    return {u for e in eqns for u in e.invars if not isinstance(u, jc.Literal)} | {z}
+    reads: set[jc.Atom] = {u for e in eqns for u in e.invars if not isinstance(u, jc.Literal)}
+    return reads | {z}
 
 
-def _along(made: dict[Any, Any], v: Any, axes: tuple[int, ...]) -> bool:
+def _along(made: dict[jc.Var, jc.JaxprEqn], v: jc.Atom, axes: tuple[int, ...]) -> bool:
     """Whether `v` is constant along `axes`: a broadcast along them, through moves that keep
     them (reshapes inserting unit axes, names, stop_gradient)."""
     e = made.get(v) if not isinstance(v, jc.Literal) else None
     while e is not None and e.primitive.name in ("name", "stop_gradient"):
-        e = made.get(e.invars[0])
+        first = e.invars[0]
+        e = made.get(first) if not isinstance(first, jc.Literal) else None
     if e is None or e.primitive.name != "broadcast_in_dim":
         return False
-    in_shape = e.invars[0].aval.shape
+    in_shape = jc.aval(e.invars[0]).shape
     dims = tuple(e.params["broadcast_dimensions"])
     for a in axes:
         if a in dims and in_shape[dims.index(a)] != 1:
@@ -256,17 +266,17 @@ def _along(made: dict[Any, Any], v: Any, axes: tuple[int, ...]) -> bool:
     return True
 
 
-def _is_half_cast(eqn: Any, up: bool) -> bool:
+def _is_half_cast(eqn: jc.JaxprEqn, up: bool) -> bool:
     """Whether `eqn` casts a half value to float32 (`up`), or float32 to a half."""
     if eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], jc.Literal):
         return False
-    src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    src, dst = np.dtype(jc.aval(eqn.invars[0]).dtype), np.dtype(eqn.params["new_dtype"])
     if up:
         src, dst = dst, src
     return is_float_dtype(src) and is_float_dtype(dst) and src == np.float32 and dst.itemsize == 2
 
 
-def remat_islands(closed: Any, context: Any = None) -> Any:
+def remat_islands(closed: jc.ClosedJaxpr, context: Any = None) -> jc.ClosedJaxpr:
     """`closed` with each run of float32-island equations (see Values.tag_island: the ops whose
     results are named ISLAND, and those names) under ``jax.checkpoint`` that saves only the
     island's statistics (see STATISTIC): the backward pass recomputes the rest of the island
@@ -283,9 +293,9 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
     # traces a checkpointed function once per input types and caches its derivatives by
     # jaxpr, so differentiating a program pays for each distinct island once, not per layer
     # (docs/guides/internals.md has the trace time this saves).
-    functions: dict[Any, Callable[..., Any]] = {}
+    functions: dict[Any, Callable[..., list[jc.Value]]] = {}
 
-    def region_function(pos: int) -> tuple[Callable[..., Any], Any]:
+    def region_function(pos: int) -> tuple[Callable[..., list[jc.Value]], Any]:
         run, ins, outs = regions[pos]
         # The region runs under its ops' common name stack (the island's module), and each op
         # under its own name within it. The casts at its borders that autocast made for the
@@ -302,7 +312,7 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
                 functions[key] = fn
         return fn, prefix
 
-    def evaluate(*args: Any) -> list[Any]:
+    def evaluate(*args: jc.Value) -> list[jc.Value]:
         env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(closed.jaxpr.invars, args, strict=True))
         for pos, step in enumerate(plan):
@@ -316,10 +326,11 @@ def remat_islands(closed: Any, context: Any = None) -> Any:
                 env.update(zip(outs, fn(*[env[v] for v in ins]), strict=True))
         return [v.val if isinstance(v, jc.Literal) else env[v] for v in closed.jaxpr.outvars]
 
-    return jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
+    traced: jc.ClosedJaxpr = jc.trace(evaluate, [v.aval for v in closed.jaxpr.invars], context)
+    return traced
 
 
-def _marked(eqns: list[Any], producer: dict[Any, int]) -> set[int]:
+def _marked(eqns: list[jc.JaxprEqn], producer: dict[jc.Atom, int]) -> set[int]:
     """The positions of the island's equations: those whose results are named ISLAND (and
     the names), the casts up of half values autocast made for them, and the casts down where
     the island ends."""
@@ -336,19 +347,19 @@ def _marked(eqns: list[Any], producer: dict[Any, int]) -> set[int]:
             if k is not None and _is_half_cast(eqns[k], up=True):
                 marked.add(k)
     for i, e in enumerate(eqns):  # and the casts down where the island ends
-        u = e.invars[0] if e.invars else None
-        if _is_half_cast(e, up=False) and producer.get(u) in marked:
+        first = e.invars[0] if e.invars else None
+        if first is not None and _is_half_cast(e, up=False) and producer.get(first, -1) in marked:
             marked.add(i)
     return marked
 
 
-def _plan(eqns: list[Any], marked: set[int]) -> list[Any]:
+def _plan(eqns: list[jc.JaxprEqn], marked: set[int]) -> list[int | list[int]]:
     """The equations in order, each alone (its position) or in a region (a list). A region
     takes marked equations; an unmarked one between them that reads none of the region's
     values (a reshape of a norm's scale) moves before it, one that does (a running average of
     a batch statistic) moves after it, unless a later marked one reads it: the region ends
     there. So one island is one region."""
-    plan: list[Any] = []
+    plan: list[int | list[int]] = []
     i = 0
     while i < len(eqns):
         if i not in marked:
@@ -359,8 +370,8 @@ def _plan(eqns: list[Any], marked: set[int]) -> list[Any]:
         before: list[int] = []
         after: list[int] = []
         pending: list[int] = []
-        defined: set[Any] = set()  # the region's values
-        later: set[Any] = set()  # values of equations that move after it
+        defined: set[jc.Atom] = set()  # the region's values
+        later: set[jc.Atom] = set()  # values of equations that move after it
         k = i
         while k < len(eqns):
             e = eqns[k]
@@ -387,8 +398,8 @@ def _plan(eqns: list[Any], marked: set[int]) -> list[Any]:
 
 
 def _regions(
-    closed: Any, plan: list[Any], producer: dict[Any, int]
-) -> dict[int, tuple[list[Any], list[Any], list[Any]]]:
+    closed: jc.ClosedJaxpr, plan: list[int | list[int]], producer: dict[jc.Atom, int]
+) -> dict[int, tuple[list[jc.JaxprEqn], list[jc.Var], list[jc.Var]]]:
     """Each region's equations (the constants it makes again first), inputs and outputs, by
     its position in `plan`."""
     eqns = closed.jaxpr.eqns
@@ -401,7 +412,7 @@ def _regions(
             isinstance(v, jc.Literal) or v in consts or producer.get(v) in made for v in e.invars
         ):
             made.add(i)
-    last_use: dict[Any, int] = {}  # by position in the plan
+    last_use: dict[jc.Atom, int] = {}  # by position in the plan
     for pos, step in enumerate(plan):
         for k in step if isinstance(step, list) else [step]:
             for v in eqns[k].invars:
@@ -410,7 +421,7 @@ def _regions(
     for v in closed.jaxpr.outvars:
         if not isinstance(v, jc.Literal):
             last_use[v] = len(plan)
-    regions: dict[int, tuple[list[Any], list[Any], list[Any]]] = {}
+    regions: dict[int, tuple[list[jc.JaxprEqn], list[jc.Var], list[jc.Var]]] = {}
     for pos, step in enumerate(plan):
         if not isinstance(step, list):
             continue
@@ -418,10 +429,10 @@ def _regions(
         todo = [u for k in step for u in eqns[k].invars]
         while todo:
             u = todo.pop()
-            k = producer.get(u) if not isinstance(u, jc.Literal) else None
-            if k in made and k not in makers and k not in step:
-                makers.add(k)
-                todo += eqns[k].invars
+            maker = producer.get(u) if not isinstance(u, jc.Literal) else None
+            if maker in made and maker not in makers and maker not in step:
+                makers.add(maker)
+                todo += eqns[maker].invars
         run = [eqns[k] for k in sorted(makers)] + [eqns[k] for k in step]
         defined = {v for e in run for v in e.outvars}
         ins = list(
@@ -437,7 +448,7 @@ def _regions(
     return regions
 
 
-def _bind(eqn: Any, env: dict[Any, Any], name_stack: Any = None) -> None:
+def _bind(eqn: jc.JaxprEqn, env: dict[jc.Atom, jc.Value], name_stack: Any = None) -> None:
     """Binds `eqn` on the values of `env` under its own name stack (or `name_stack`), into
     `env`; an ISLAND name passes its value through (the names are dropped)."""
     vals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
@@ -453,14 +464,14 @@ def _bind(eqn: Any, env: dict[Any, Any], name_stack: Any = None) -> None:
 
 
 def _remat_region(
-    run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]
-) -> Callable[..., Any]:
+    run: list[jc.JaxprEqn], ins: list[jc.Var], outs: list[jc.Var], stacks: list[Any]
+) -> Callable[..., list[jc.Value]]:
     """The function of a region's inputs that computes its outputs, recomputed by the
     backward pass but for its statistics (a softmax: see _softmax_region)."""
     kept = _statistics(run) if _NAMING[-1] else set()
 
-    def f(*vals: Any) -> list[Any]:
-        env = dict(zip(ins, vals, strict=True))
+    def f(*vals: jc.Value) -> list[jc.Value]:
+        env: dict[jc.Atom, jc.Value] = dict(zip(ins, vals, strict=True))
         for eqn, stack in zip(run, stacks, strict=True):
             _bind(eqn, env, stack)
             if eqn.outvars and eqn.outvars[0] in kept:
@@ -477,8 +488,12 @@ def _remat_region(
 
 
 def _softmax_region(
-    f: Callable[..., Any], run: list[Any], ins: list[Any], stacks: list[Any], soft: _Softmax
-) -> Callable[..., Any]:
+    f: Callable[..., list[jc.Value]],
+    run: list[jc.JaxprEqn],
+    ins: list[jc.Var],
+    stacks: list[Any],
+    soft: _Softmax,
+) -> Callable[..., list[jc.Value]]:
     """`f`, a softmax region (see _softmax), differentiated from its half output, as the
     hand-written half softmax is (jax.nn.softmax's own rule), instead of recomputing the
     float32 island: ``dy = y * (dz - sum(dz * y))`` in float32, with ``dz`` the tangent of `z`
@@ -491,19 +506,21 @@ def _softmax_region(
     at = [ins.index(v) for v in diff]
     kept = [i for i, v in enumerate(ins) if v in reads and i not in at]
 
-    def to_z(diff_vals: Any, kept_vals: Any) -> Any:
-        env = dict(zip([ins[i] for i in at], diff_vals, strict=True))
+    def to_z(diff_vals: Sequence[jc.Value], kept_vals: Sequence[jc.Value]) -> jc.Value:
+        env: dict[jc.Atom, jc.Value] = dict(zip([ins[i] for i in at], diff_vals, strict=True))
         env.update(zip([ins[i] for i in kept], kept_vals, strict=True))
         for e in prefix:
             _bind(e, env, stack_of[id(e)])
         return env[z]
 
     @jax.custom_jvp
-    def region(*vals: Any) -> list[Any]:
-        out: list[Any] = f(*vals)
+    def region(*vals: jc.Value) -> list[jc.Value]:
+        out: list[jc.Value] = f(*vals)
         return out
 
-    def region_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+    def region_jvp(
+        primals: list[jc.Value], tangents: list[jc.Value]
+    ) -> tuple[list[jc.Value], list[jc.Value]]:
         out = f(*primals)
         kept_vals = [primals[i] for i in kept]
         dy = _softmax_tangent(lambda t: to_z(t, kept_vals), out[0], [tangents[i] for i in at], axes)
@@ -514,33 +531,36 @@ def _softmax_region(
 
 
 def _softmax_tangent(
-    to_z: Callable[..., Any], y_half: Any, d_in: list[Any], axes: tuple[int, ...]
-) -> Any:
+    to_z: Callable[..., jc.Value], y_half: jc.Value, d_in: list[jc.Value], axes: tuple[int, ...]
+) -> jc.Value:
     """The tangent of a softmax's half output `y_half` for the tangents `d_in` of its inputs:
     ``y * (dz - sum(dz * y, axes))`` in float32, cast to `y_half`'s dtype, where ``dz`` is the
     scores' tangent through `to_z` (affine: its tangent is taken at zeros). Linear in `d_in`.
     The float32 ``y`` and the zeros are made again inside a remat, so that reverse mode keeps
     the half output (which the next gemm keeps anyway) and no float32 copy or zeros."""
 
-    def tangent(y_half: Any, d_in: list[Any]) -> Any:
+    def tangent(y_half: jc.Value, d_in: list[jc.Value]) -> jc.Value:
         zeros = [jnp.zeros_like(d) for d in d_in]
         _, dz = jax.jvp(lambda *d: to_z(d), tuple(zeros), tuple(d_in))
         y = y_half.astype(np.float32)
-        t = dz.astype(np.float32)
+        t: jc.Value = dz.astype(np.float32)
         return (y * (t - jnp.sum(t * y, axis=axes, keepdims=True))).astype(y_half.dtype)
 
     nothing = jax.checkpoint_policies.nothing_saveable
-    return jax.checkpoint(tangent, policy=nothing, prevent_cse=False)(y_half, d_in)
+    out: jc.Value = jax.checkpoint(tangent, policy=nothing, prevent_cse=False)(y_half, d_in)
+    return out
 
 
-def _region_key(run: list[Any], ins: list[Any], outs: list[Any], stacks: list[Any]) -> Any:
+def _region_key(
+    run: list[jc.JaxprEqn], ins: list[jc.Var], outs: list[jc.Var], stacks: list[Any]
+) -> Any:
     """What a region computes, up to its variables' names: equal keys bind the same ops with
     the same params, types, contexts and relative name stacks on the same dataflow. None when
     a param cannot be hashed (the region is then its own function). A context is compared by
     its fields (older JAX compares JaxprEqnContext by identity)."""
     local: dict[Any, Any] = {v: ("in", i) for i, v in enumerate(ins)}
 
-    def ref(v: Any) -> Any:
+    def ref(v: jc.Atom) -> Any:
         if isinstance(v, jc.Literal):
             val = np.asarray(v.val)
             return ("lit", v.aval, val.dtype.str, val.tobytes())

@@ -32,6 +32,18 @@ JaxprEqn = core.JaxprEqn
 Var = core.Var
 Atom = core.Atom
 Primitive = core.Primitive
+AbstractValue = core.AbstractValue
+ShapedArray = core.ShapedArray
+# What an interpreter holds for a variable: a tracer or a concrete array (a literal's value,
+# a Python or NumPy scalar, is read as one). And where an equation was written.
+Value = jax.Array
+Traceback = source_info_util.Traceback
+
+
+def aval(v: Atom) -> core.ShapedArray:
+    """The shaped abstract value of a variable or literal (JAX types ``Var.aval`` as the base
+    class, which has no dtype or shape)."""
+    return v.aval  # type: ignore[return-value]
 
 
 def literal_array(v: Any) -> np.ndarray:

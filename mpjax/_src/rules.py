@@ -70,13 +70,13 @@ _CANCELS = ops.having(Trait.CANCELS)
 CARRY_OPS = ops.having(Trait.CARRIES)
 
 
-def _narrow(dtype: Any) -> bool:
+def _narrow(dtype: np.dtype) -> bool:
     """Whether `dtype`'s range is narrower than float32's (float16: yes; bfloat16: no)."""
     return max_exponent(dtype) < max_exponent(np.float32)
 
 
-def n_elements(v: Any) -> int:
-    return int(np.prod(v.aval.shape))
+def n_elements(v: jc.Atom) -> int:
+    return int(np.prod(jc.aval(v).shape))
 
 
 def _widest(dtypes: list[np.dtype]) -> np.dtype:
@@ -110,7 +110,7 @@ def _changes_meaning(known: np.ndarray, dtype: np.dtype) -> bool:
     return bool(np.any(np.isfinite(k) & ~np.isfinite(cast))) or _underflows(known, dtype)
 
 
-def may_exceed(known: Any, dtype: np.dtype) -> bool:
+def may_exceed(known: np.ndarray | None, dtype: np.dtype) -> bool:
     """Whether a value, `known` or not (None), may lie beyond `dtype`'s finite range."""
     return known is None or bool(np.any(np.abs(known[np.isfinite(known)]) > dtype_max(dtype)))
 
@@ -199,12 +199,12 @@ class Use(NamedTuple):
 NO_USE = Use(False, False)
 
 
-def use_flags(eqn: Any, mode: Mode, out_dec: bool, out_f32: bool) -> list[Use]:
+def use_flags(eqn: jc.JaxprEqn, mode: Mode, out_dec: bool, out_f32: bool) -> list[Use]:
     """What a primitive equation's operands are used for, given its results' uses: they
     decide something (their results are integers, bools or an order), or feed only f32-list
     ops (through an elementwise op whose results do)."""
     name, n = eqn.primitive.name, len(eqn.invars)
-    if name in DECISION_OPS or not any(is_float_dtype(v.aval.dtype) for v in eqn.outvars):
+    if name in DECISION_OPS or not any(is_float_dtype(jc.aval(v).dtype) for v in eqn.outvars):
         return [Use(True, False)] * n  # floats that become integers, bools or bits decide
     lower, f32 = op_lists(mode)
     if name in PASS_OPS or name == "broadcast_in_dim":
@@ -241,7 +241,7 @@ class Decision(NamedTuple):
     """The rule's decision for one equation (see :func:`target_dtype`)."""
 
     action: Action
-    dtype: Any = None  # for CAST: the dtype float operands are cast to
+    dtype: np.dtype | None = None  # for CAST: the dtype float operands are cast to
     hold: Hold = Hold.NONE  # whether, and why, the results are held in float32
 
 
@@ -251,15 +251,15 @@ class Operand(NamedTuple):
     held: int  # a Hold: whether, and why, it is held in float32
     static: bool  # computed without float inputs of the program (a constant, a mask)
     is_index: bool  # index arithmetic (an integer cast to float, a floor)
-    known: Any  # its value when known at trace time and small, else None
+    known: np.ndarray | None  # its value when known at trace time and small, else None
     feeds: bool  # it (or its source) feeds a decision
     carried: bool  # a loop's carry passes through it
 
 
 def target_dtype(
     name: str,
-    eqn: Any,
-    vals: list[Any],
+    eqn: jc.JaxprEqn,
+    vals: list[jc.Value | np.ndarray],
     mode: Mode,
     base: Policy,
     operands: list[Operand],
@@ -273,7 +273,7 @@ def target_dtype(
     them down), GUARD for float16 activations leaving a float32 region (held for the range;
     ops that commute with a cast run on them in half).
     """
-    floats_at = [i for i, v in enumerate(eqn.invars) if is_float_dtype(v.aval.dtype)]
+    floats_at = [i for i, v in enumerate(eqn.invars) if is_float_dtype(jc.aval(v).dtype)]
     if not floats_at:
         return Decision(Action.KEEP)
     held = [o.held for o in operands]
@@ -282,7 +282,7 @@ def target_dtype(
         return Decision(Action.KEEP, hold=Hold(max(held[i] for i in floats_at)))
     if name in TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
         return Decision(Action.UNTOUCHED)  # unknown primitive: never wrong, only slower
-    traced = [np.dtype(eqn.invars[i].aval.dtype) for i in floats_at]
+    traced = [np.dtype(jc.aval(eqn.invars[i]).dtype) for i in floats_at]
     full = _widest([*traced, np.dtype(np.float32)])
     if mode == "f32" or mode == "half":
         return _region_decision(name, mode, base, full, [(held[i], static[i]) for i in floats_at])
@@ -291,12 +291,12 @@ def target_dtype(
         return Decision(Action.CAST, full)
     if all(static):
         return Decision(Action.TRACED)  # constants, index arithmetic, random numbers: as traced
-    fouts = [v for v in eqn.outvars if is_float_dtype(v.aval.dtype)]
+    fouts = [v for v in eqn.outvars if is_float_dtype(jc.aval(v).dtype)]
     lower, f32 = op_lists(policy)
     strong_in = [
         i
         for i in floats_at
-        if not isinstance(eqn.invars[i], jc.Literal) and not eqn.invars[i].aval.weak_type
+        if not isinstance(eqn.invars[i], jc.Literal) and not jc.aval(eqn.invars[i]).weak_type
     ]
     as_traced = _as_traced(
         name, name in lower, fouts, out_flags, traced, floats_at, strong_in, operands
@@ -318,7 +318,10 @@ def target_dtype(
 
 
 def _following(
-    eqn: Any, vals: list[Any], operands: list[Operand], floats_at: list[int]
+    eqn: jc.JaxprEqn,
+    vals: list[jc.Value | np.ndarray],
+    operands: list[Operand],
+    floats_at: list[int],
 ) -> list[_Operand]:
     """The float operands an op that follows its inputs reads: weak-typed operands and
     literals (Python scalars in the source) do not promote, as in jnp; at O2 neither do values
@@ -326,7 +329,7 @@ def _following(
     return [
         _Operand(
             np.dtype(vals[i].dtype),
-            isinstance(eqn.invars[i], jc.Literal) or eqn.invars[i].aval.weak_type,
+            isinstance(eqn.invars[i], jc.Literal) or jc.aval(eqn.invars[i]).weak_type,
             operands[i].held,
             operands[i].static,
         )
@@ -359,9 +362,9 @@ def _region_decision(
 def _as_traced(
     name: str,
     is_lower: bool,
-    fouts: list[Any],
+    fouts: list[jc.Var],
     out_flags: list[Use],
-    traced: list[Any],
+    traced: list[np.dtype],
     floats_at: list[int],
     strong_in: list[int],
     operands: list[Operand],
@@ -371,7 +374,7 @@ def _as_traced(
     index = [o.is_index for o in operands]
     static = [o.static for o in operands]
     decides = name in DECISION_OPS or not fouts or any(f.decides for f in out_flags)
-    if not is_lower and (decides or all(not v.aval.shape for v in fouts)):
+    if not is_lower and (decides or all(not jc.aval(v).shape for v in fouts)):
         # decisions and scalar bookkeeping (tensor math follows the policy)
         return Decision(Action.TRACED)
     if name in CARRY_OPS and any(operands[i].carried for i in floats_at):
@@ -392,7 +395,7 @@ def _as_traced(
 
 def _follow_target(
     name: str, policy: Policy, floats: list[_Operand], full: Any, bias_add: bool
-) -> tuple[Any, int]:
+) -> tuple[np.dtype, int]:
     """(dtype, hold) of an op that follows its inputs (not on an op list), by level."""
     per_op = levels.of(policy).per_op
     if per_op and bias_add:
@@ -414,7 +417,9 @@ def _follow_target(
     return np.dtype(policy.compute_dtype), Hold.NONE
 
 
-def _keeping_constants(name: str, target: Any, hold: int, full: Any, known: list[Any]) -> Decision:
+def _keeping_constants(
+    name: str, target: np.dtype, hold: int, full: np.dtype, known: list[np.ndarray | None]
+) -> Decision:
     """CAST to `target`, unless a constant operand (`known`) cannot keep its meaning in it."""
     if np.dtype(target).itemsize < 4:
         bad = [k for k in known if k is not None and _changes_meaning(k, target)]
@@ -437,13 +442,13 @@ class _Operand(NamedTuple):
     static: bool  # computed without float inputs (a constant, a mask)
 
 
-def _explicit_half(eqn: Any, floats_at: list[int], policy: Policy) -> np.dtype | None:
+def _explicit_half(eqn: jc.JaxprEqn, floats_at: list[int], policy: Policy) -> np.dtype | None:
     """The half dtype the program itself chose for this op, when it is not the policy's: every
     float operand (literals aside) was traced in it, as in a Flax module built with
     ``dtype=jnp.bfloat16`` under a float16 policy. Such a choice is honoured, as Keras honours
     a layer's own dtype policy (torch.amp overrides it)."""
     traced: set[np.dtype[Any]] = {
-        np.dtype(eqn.invars[i].aval.dtype)
+        np.dtype(jc.aval(eqn.invars[i]).dtype)
         for i in floats_at
         if not isinstance(eqn.invars[i], jc.Literal)
     }

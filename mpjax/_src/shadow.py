@@ -291,7 +291,7 @@ class Shadow:
         return list(zip(outs[0], outs[1], strict=True))
 
 
-class _PairEnv(interpret.Env):
+class _PairEnv(interpret.Env[Pair]):
     def read(self, v: Any) -> Pair:
         if isinstance(v, jc.Literal):
             return v.val, to_f32(jc.literal_array(v)) if is_float(v.aval) else v.val

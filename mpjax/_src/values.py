@@ -22,9 +22,12 @@ from mpjax._src.rules import SHAPE_OPS, Hold, may_exceed, n_elements
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
 KNOWN_LIMIT = 1 << 16
 
+# A rule's results: the result values, and which are held in float32 (Hold kinds).
+Results = tuple[list[jc.Value], list[int]]
+
 
 def cast(
-    x: Any,
+    x: jc.Value | np.ndarray,
     dtype: np.dtype,
     weak_type: bool = False,
     saturate: bool = False,
@@ -50,7 +53,7 @@ def cast(
     return jc.convert(x, np.dtype(dtype), weak_type)
 
 
-def _saturate(x: Any, dtype: np.dtype) -> Any:
+def _saturate(x: jc.Value | np.ndarray, dtype: np.dtype) -> jc.Value:
     """Clamps finite values to `dtype`'s range, so that a mask fill of finfo(float32).min
     stays finite (-inf - -inf would make NaN where float32 had a number). Infinities and NaN
     pass as they are. XLA fuses this into the convert."""
@@ -67,7 +70,7 @@ class ValueFacts:
 
     static: bool | None = None  # computed without float inputs; None: unless it is a float
     held: int = Hold.NONE  # whether, and why, it is held in float32
-    known: Any = None  # its value when known at trace time and small
+    known: np.ndarray | None = None  # its value when known at trace time and small
     inert: bool | None = None  # no derivative flows through it; None: where it is static
     index: bool = False  # a decided value, or a float made from an integer
     # A loop body's carry, or a value a CARRY_OPS update or a move made of one (rules.CARRY_OPS
@@ -82,7 +85,7 @@ class ValueFacts:
     # (see Values.move). A consumer that casts the moved value to that half takes the twin, so
     # the movement, and the collective a partitioner puts on it, moves half bytes, as `.astype`
     # before `jnp.take` does; the unused one is dead code.
-    twins: dict[np.dtype, Any] = dataclasses.field(default_factory=dict)
+    twins: dict[np.dtype, jc.Value] = dataclasses.field(default_factory=dict)
     # Known within one evaluation only:
     # the value it was moved from by shape ops (yx[:, 0] sliced twice, once for floor and once
     # for p - floor(p), is one coordinate): facts about uses hold there;
@@ -97,11 +100,11 @@ class Values:
     """Per-jaxpr evaluation state: the values, and what is known of each (`ValueFacts`)."""
 
     def __init__(self, keep_constants: bool = False) -> None:
-        self.vals: dict[Any, Any] = {}
-        self._facts: dict[Any, ValueFacts] = {}
+        self.vals: dict[jc.Atom, jc.Value] = {}
+        self._facts: dict[jc.Atom, ValueFacts] = {}
         self.keep_constants = keep_constants  # see cast's keep_constant
 
-    def facts(self, v: Any) -> ValueFacts:
+    def facts(self, v: jc.Atom) -> ValueFacts:
         """`v`'s record, made on first use (a literal's is a fresh one: it is static)."""
         if isinstance(v, jc.Literal):
             return ValueFacts(static=True, inert=True, param=False)
@@ -110,11 +113,13 @@ class Values:
             record = self._facts[v] = ValueFacts(static=False, inert=False, param=False)
         return record
 
-    def enter(self, v: Any, x: Any, facts: ValueFacts) -> None:
+    def enter(self, v: jc.Atom, x: jc.Value, facts: ValueFacts) -> None:
         """Records `v`, an input of the jaxpr, as `x` with what its caller knows (`facts`)."""
         self.vals[v] = x
         mine = self.facts(v)
-        mine.static = facts.static if facts.static is not None else not is_float_dtype(v.aval.dtype)
+        mine.static = (
+            facts.static if facts.static is not None else not is_float_dtype(jc.aval(v).dtype)
+        )
         mine.held = facts.held
         mine.known = facts.known
         mine.inert = facts.inert if facts.inert is not None else mine.static
@@ -122,7 +127,7 @@ class Values:
         mine.index, mine.carried, mine.island = facts.index, facts.carried, facts.island
         mine.twins = dict(facts.twins)
 
-    def handed(self, v: Any) -> ValueFacts:
+    def handed(self, v: jc.Atom) -> ValueFacts:
         """What is known of `v` that a call and its body hand each other: an index, a carry,
         its twins, island membership, whether it is a param."""
         if isinstance(v, jc.Literal):
@@ -136,14 +141,14 @@ class Values:
             twins=dict(f.twins),
         )
 
-    def mark_results(self, eqn: Any, **facts: bool) -> None:
+    def mark_results(self, eqn: jc.JaxprEqn, **facts: bool) -> None:
         """Sets `facts` (``index=True``, ...) on each of `eqn`'s results."""
         for v in eqn.outvars:
             if not isinstance(v, jc.DropVar):
                 for name, value in facts.items():
                     setattr(self.facts(v), name, value)
 
-    def take(self, v: Any, handed: ValueFacts) -> None:
+    def take(self, v: jc.Atom, handed: ValueFacts) -> None:
         """Records what a call's body learnt of its result (see `handed`) for `v`."""
         f = self.facts(v)
         f.index |= handed.index
@@ -151,16 +156,16 @@ class Values:
         f.island |= handed.island
         f.twins.update(handed.twins)
 
-    def take_results(self, eqn: Any, handed: list[ValueFacts]) -> None:
+    def take_results(self, eqn: jc.JaxprEqn, handed: list[ValueFacts]) -> None:
         """`take` for each of a call's results."""
         for v, h in zip(eqn.outvars, handed, strict=True):
             if not isinstance(v, jc.DropVar):
                 self.take(v, h)
 
-    def read(self, v: Any) -> Any:
+    def read(self, v: jc.Atom) -> jc.Value:
         return v.val if isinstance(v, jc.Literal) else self.vals[v]
 
-    def write(self, eqn: Any, result: tuple[list[Any], list[int]]) -> None:
+    def write(self, eqn: jc.JaxprEqn, result: Results) -> None:
         """Records an equation's results and what is known of them: held kinds, statics and
         their values, inert, carried and moved values."""
         outvals, holds = result
@@ -168,9 +173,9 @@ class Values:
         known = None
         if static:
             known = known_outputs(eqn, [self.known_value(v) for v in eqn.invars])
-        inert = all(self.is_inert(v) for v in eqn.invars if is_float_dtype(v.aval.dtype))
+        inert = all(self.is_inert(v) for v in eqn.invars if is_float_dtype(jc.aval(v).dtype))
         carried = eqn.primitive.name in CARRY_PASS and any(
-            self.is_carried(v) for v in eqn.invars if is_float_dtype(v.aval.dtype)
+            self.is_carried(v) for v in eqn.invars if is_float_dtype(jc.aval(v).dtype)
         )
         moved = eqn.primitive.name in SHAPE_OPS and not isinstance(eqn.invars[0], jc.Literal)
         for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
@@ -179,7 +184,7 @@ class Values:
             self.vals[v] = x
             f = self.facts(v)
             f.inert = bool(f.inert) or inert
-            floating = is_float_dtype(v.aval.dtype)
+            floating = is_float_dtype(jc.aval(v).dtype)
             f.carried |= carried and floating
             if moved and floating and i == 0:
                 f.origin = self.source(eqn.invars[0])
@@ -190,19 +195,19 @@ class Values:
                 if known is not None:
                     f.known = known[i]
 
-    def is_static(self, v: Any) -> bool:
+    def is_static(self, v: jc.Atom) -> bool:
         return bool(self.facts(v).static)
 
-    def known_value(self, v: Any) -> Any:
+    def known_value(self, v: jc.Atom) -> np.ndarray | None:
         return jc.literal_array(v) if isinstance(v, jc.Literal) else self.facts(v).known
 
-    def is_index(self, v: Any) -> bool:
+    def is_index(self, v: jc.Atom) -> bool:
         return self.facts(v).index
 
     def cast(
         self,
-        v: Any,
-        x: Any,
+        v: jc.Atom,
+        x: jc.Value,
         dtype: np.dtype,
         shape: tuple[int, ...],
         wide_sums: bool = False,
@@ -242,7 +247,12 @@ class Values:
         return f.casts[key]
 
     def move(
-        self, eqn: Any, invals: list[Any], half: np.dtype, wide_grads: bool, wide_lookups: bool
+        self,
+        eqn: jc.JaxprEqn,
+        invals: list[jc.Value],
+        half: np.dtype,
+        wide_grads: bool,
+        wide_lookups: bool,
     ) -> None:
         """Makes the half twin of a data movement's result (see ValueFacts.twins): the op
         applied to its operand's twin, or to the operand's half cast, where the operand is a
@@ -287,24 +297,24 @@ class Values:
             # the movement, as without one.
             return
 
-    def is_bias_add(self, eqn: Any) -> bool:
+    def is_bias_add(self, eqn: jc.JaxprEqn) -> bool:
         """Whether an add adds a smaller, broadcast value (a bias) to a matmul's result."""
         a, b = eqn.invars
         if isinstance(a, jc.Literal) or not self.facts(a).lowered:
             a, b = b, a
         if isinstance(a, jc.Literal) or not self.facts(a).lowered or isinstance(b, jc.Literal):
             return False
-        return is_float_dtype(b.aval.dtype) and (
+        return is_float_dtype(jc.aval(b).dtype) and (
             n_elements(b) < n_elements(a) or self.facts(b).spread
         )
 
-    def held_kind(self, v: Any) -> int:
+    def held_kind(self, v: jc.Atom) -> int:
         return 0 if isinstance(v, jc.Literal) else self.facts(v).held
 
-    def is_carried(self, v: Any) -> bool:
+    def is_carried(self, v: jc.Atom) -> bool:
         return self.facts(v).carried
 
-    def tag_island(self, eqn: Any, invals: list[Any], out: Any) -> Any:
+    def tag_island(self, eqn: jc.JaxprEqn, invals: list[jc.Value], out: jc.Value) -> jc.Value:
         """`out`, named ISLAND if `eqn` extends a float32 island: a float32 result of an
         elementwise op, a reduction or a move whose float operands are half values (cast up
         for it), island values, params or smaller than the result (a norm's statistics
@@ -335,28 +345,30 @@ class Values:
         self.facts(v).island = True
         return as_island(out)
 
-    def is_param(self, v: Any) -> bool:
+    def is_param(self, v: jc.Atom) -> bool:
         """Whether `v` is an input of the jaxpr, moved by shape ops at most (see
         ValueFacts.param)."""
         return not isinstance(v, jc.Literal) and bool(self.facts(self.source(v)).param)
 
-    def source(self, v: Any) -> Any:
+    def source(self, v: jc.Atom) -> Any:
         """The value `v` was moved from by shape ops (itself if none)."""
         if isinstance(v, jc.Literal):
             return v
         origin = self.facts(v).origin
         return v if origin is None else origin
 
-    def is_inert(self, v: Any) -> bool:
+    def is_inert(self, v: jc.Atom) -> bool:
         return bool(self.facts(v).inert)
 
-    def _saturate(self, v: Any, dtype: np.dtype) -> bool:
+    def _saturate(self, v: jc.Atom, dtype: np.dtype) -> bool:
         """Whether a cast of `v` clamps: only an inert value not known to fit."""
         if not self.is_inert(v):
             return False
         return may_exceed(self.known_value(v), dtype)
 
-    def saturate_fills(self, eqn: Any, invals: list[Any], half: np.dtype) -> list[Any]:
+    def saturate_fills(
+        self, eqn: jc.JaxprEqn, invals: list[jc.Value], half: np.dtype
+    ) -> list[jc.Value]:
         """A fill op's known constants beyond `half`'s range, clamped to it in their own dtype:
         at O3 the program runs as if written in half, where jnp.where(mask, x,
         finfo(dtype).min) fills with the half's minimum, even where the where itself runs in
@@ -364,20 +376,22 @@ class Values:
         out = list(invals)
         for i, v in enumerate(eqn.invars):
             known = self.known_value(v)
-            if known is None or not is_float_dtype(v.aval.dtype) or not may_exceed(known, half):
+            if known is None or not is_float_dtype(jc.aval(v).dtype) or not may_exceed(known, half):
                 continue
             lim = dtype_max(half)
             fill = np.where(np.isfinite(known), np.clip(known, -lim, lim), known)
-            out[i] = jc.convert(np.asarray(fill, v.aval.dtype), v.aval.dtype, v.aval.weak_type)
+            out[i] = jc.convert(
+                np.asarray(fill, jc.aval(v).dtype), jc.aval(v).dtype, jc.aval(v).weak_type
+            )
         return out
 
 
-def known_outputs(eqn: Any, known: list[Any]) -> list[Any] | None:
+def known_outputs(eqn: jc.JaxprEqn, known: list[Any]) -> list[Any] | None:
     """The values of an equation on trace-time constants, when small (to check casts)."""
     name = eqn.primitive.name
     if any(k is None for k in known) or not (name in ops.KNOWN_OPS or name in SHAPE_OPS):
         return None
-    if any(int(np.prod(v.aval.shape)) > KNOWN_LIMIT for v in eqn.outvars):
+    if any(int(np.prod(jc.aval(v).shape)) > KNOWN_LIMIT for v in eqn.outvars):
         return None
     try:
         with jax.ensure_compile_time_eval():
@@ -406,7 +420,7 @@ def scatter_update(params: dict[str, Any], dtype: np.dtype) -> dict[str, Any]:
     return {"update_jaxpr": rebuilt.jaxpr, "update_consts": tuple(rebuilt.consts)}
 
 
-def params_at(eqn: Any, target: Any) -> dict[str, Any]:
+def params_at(eqn: jc.JaxprEqn, target: Any) -> dict[str, Any]:
     """A matmul's output dtype follows its (cast) operands, unless the program asked for a
     result wider than every operand it traced (``preferred_element_type=jnp.float32`` on half
     operands: half inputs, float32 accumulation and result), which is kept."""
@@ -416,7 +430,9 @@ def params_at(eqn: Any, target: Any) -> dict[str, Any]:
     pref = params.get("preferred_element_type")
     if pref is None or not is_float_dtype(pref) or target is None:
         return params
-    widths = [np.dtype(v.aval.dtype).itemsize for v in eqn.invars if is_float_dtype(v.aval.dtype)]
+    widths = [
+        np.dtype(jc.aval(v).dtype).itemsize for v in eqn.invars if is_float_dtype(jc.aval(v).dtype)
+    ]
     if widths and np.dtype(pref).itemsize > max(widths):
         return params
     return {**params, "preferred_element_type": np.dtype(target)}
@@ -425,12 +441,12 @@ def params_at(eqn: Any, target: Any) -> dict[str, Any]:
 # -- a call's arguments: arrays (traced) and the rest (static) -------------------------------
 
 
-def is_value(x: Any) -> bool:
+def is_value(x: jc.Value) -> bool:
     """Whether a rule's output is a value to trace (not a symbolic zero or None)."""
     return is_dynamic(x) or isinstance(x, (int, float, complex))
 
 
-def is_dynamic(x: Any) -> bool:
+def is_dynamic(x: jc.Value) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
@@ -439,7 +455,7 @@ def dynamic_leaves(leaves: Any) -> list[int]:
     return [i for i, x in enumerate(leaves) if is_dynamic(x)]
 
 
-def fill_dynamic(leaves: Any, dynamic: list[int], arrays: Any) -> list[Any]:
+def fill_dynamic(leaves: Any, dynamic: list[int], arrays: Any) -> list[jc.Value]:
     """`leaves` with the dynamic ones replaced by `arrays`."""
     full = list(leaves)
     for i, x in zip(dynamic, arrays, strict=True):
