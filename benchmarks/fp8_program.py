@@ -1,7 +1,7 @@
 """What FP8 buys in the GPU program, counted on any machine: a GPT-style LM's Adam train step
 compiled for an NVIDIA H100 on this machine (JAX's compile-only CUDA topology, cuBLAS gemms)
 at O2 bfloat16 and under each FP8 recipe, with its kernels, bytes moved, compiled temp memory
-and modeled time (the roofline of ``mpjax._src.gpu_program.Roofline``: each kernel the longer
+and modeled time (the roofline of ``mpjax._src.tools.gpu_program.Roofline``: each kernel the longer
 of its gemm FLOPs at the peak for its operand dtype and its bytes at the bandwidth, plus a
 launch).
 

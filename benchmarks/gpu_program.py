@@ -41,7 +41,7 @@ import memory  # noqa: E402
 import models  # noqa: E402
 
 import mpjax  # noqa: E402
-from mpjax._src import gpu_program  # noqa: E402
+from mpjax._src.tools import gpu_program  # noqa: E402
 
 MIB = 2**20
 HALVES = ("bfloat16", "float16")

@@ -67,7 +67,7 @@ def kernels(text: str) -> int:
 
 def h100_program(n: int) -> str:
     """Kernels and bytes moved per parameter of each update in its H100 program."""
-    from mpjax._src import gpu_program
+    from mpjax._src.tools import gpu_program
 
     shapes = [(n // 4 // 1024, 1024)] * 4
     table, moved = [], {}

@@ -4,27 +4,18 @@ Precision policies and the O0-O3 levels, loss scales as pytrees, and loss scalin
 transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp's.
 """
 
-from mpjax._src.audit import audit
-from mpjax._src.audit_report import AuditReport
-from mpjax._src.autocast_api import autocast
-from mpjax._src.compare import compare
-from mpjax._src.compare_report import CompareReport
-from mpjax._src.f32_search import F32Rules, find_f32_rules
-from mpjax._src.gradients import accumulate_gradients, all_reduce_gradients
-from mpjax._src.half_params import HalfUpdatesState, half_updates, stochastic_round
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
+from mpjax._src.interpreter.autocast_api import autocast
+from mpjax._src.interpreter.ops import F32_OPS, LOWER_OPS
+from mpjax._src.interpreter.regions import full_precision, half_precision
 from mpjax._src.levels import LEVELS
-from mpjax._src.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    all_finite,
-    select_tree,
+from mpjax._src.optim.half_params import HalfUpdatesState, half_updates, stochastic_round
+from mpjax._src.optim.quantized_state import (
+    QuantizedMoment,
+    QuantizedMomentsState,
+    quantize_moments,
 )
-from mpjax._src.nonfinite import NonFiniteOrigin, find_nonfinite
-from mpjax._src.ops import F32_OPS, LOWER_OPS
 from mpjax._src.policy import (
     Policy,
     cast_to_full,
@@ -33,10 +24,16 @@ from mpjax._src.policy import (
     half_dtype,
     parse_dtype,
 )
-from mpjax._src.quantized_state import QuantizedMoment, QuantizedMomentsState, quantize_moments
-from mpjax._src.regions import full_precision, half_precision
-from mpjax._src.tpu_program import mesh as target_mesh
-from mpjax._src.transform import (
+from mpjax._src.scaling.gradients import accumulate_gradients, all_reduce_gradients
+from mpjax._src.scaling.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+    select_tree,
+)
+from mpjax._src.scaling.transform import (
     HalfAdamWarning,
     InexactSkipWarning,
     LossScaleState,
@@ -47,7 +44,16 @@ from mpjax._src.transform import (
     nonfinite_leaves,
     scaled_value_and_grad,
 )
-from mpjax._src.transform import value_and_grad as value_and_grad  # renamed: warns, one release
+from mpjax._src.scaling.transform import (
+    value_and_grad as value_and_grad,  # renamed: warns, one release
+)
+from mpjax._src.tools.audit import audit
+from mpjax._src.tools.audit_report import AuditReport
+from mpjax._src.tools.compare import compare
+from mpjax._src.tools.compare_report import CompareReport
+from mpjax._src.tools.f32_search import F32Rules, find_f32_rules
+from mpjax._src.tools.nonfinite import NonFiniteOrigin, find_nonfinite
+from mpjax._src.tools.tpu_program import mesh as target_mesh
 
 __version__ = "0.1.0"
 

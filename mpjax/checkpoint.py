@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from mpjax._src.fp8 import FP8Policy
+from mpjax._src.float8.fp8 import FP8Policy
 from mpjax._src.policy import Policy
 
 _POLICY_FILE = "mpjax_policy.json"

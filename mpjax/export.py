@@ -24,11 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export  # JAX 0.6 does not load it as an attribute of jax
 
-from mpjax._src import interpret, levels
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast_api import autocast
+from mpjax._src import levels
+from mpjax._src.interpreter import interpret
+from mpjax._src.interpreter.autocast_api import autocast
+from mpjax._src.interpreter.rules import SHAPE_OPS
 from mpjax._src.policy import Policy
-from mpjax._src.rules import SHAPE_OPS
 
 _FORMAT = 1
 _FUNCTION_FILE = "function.stablehlo"
@@ -41,7 +42,9 @@ _META_FILE = "export.json"
 # A backward walk marks each variable with whether every use of it ends in a lower-list op
 # (through ops that pass it on unchanged in value, its shape or dtype aside, and inlined
 # calls). Each rule gives, from the marks of its equation's results, those of its operands.
-_LOWER_ONLY = interpret.Rules(default=lambda eqn, outs_only, lower_ops: [False] * len(eqn.invars))
+_LOWER_ONLY = interpret.Registry(
+    default=lambda eqn, outs_only, lower_ops: [False] * len(eqn.invars)
+)
 
 
 @_LOWER_ONLY.register(*SHAPE_OPS, "convert_element_type")

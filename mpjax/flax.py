@@ -28,13 +28,14 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from mpjax._src import fp8 as fp8_lib
-from mpjax._src import hardware, levels, transform
-from mpjax._src import loss_scale as ls_lib
-from mpjax._src.autocast_api import autocast
-from mpjax._src.fp8 import FP8Policy
+from mpjax._src import hardware, levels
+from mpjax._src.float8 import fp8 as fp8_lib
+from mpjax._src.float8.fp8 import FP8Policy
+from mpjax._src.interpreter.autocast_api import autocast
+from mpjax._src.interpreter.regions import F32_REGION, region_key
 from mpjax._src.policy import Policy, cast_floating
-from mpjax._src.regions import F32_REGION, region_key
+from mpjax._src.scaling import loss_scale as ls_lib
+from mpjax._src.scaling import transform
 
 RuleKey = type | str
 Rules = Mapping[RuleKey, Policy | str]

@@ -3,7 +3,7 @@
 Import it explicitly (``import mpjax.fp8``); ``import mpjax`` does not load it.
 """
 
-from mpjax._src.fp8 import (
+from mpjax._src.float8.fp8 import (
     CurrentScaling,
     DelayedScaling,
     FP8Policy,
@@ -16,9 +16,9 @@ from mpjax._src.fp8 import (
     scaled_value_and_grad,
     update,
 )
-from mpjax._src.fp8 import fp8_max as fp8_max  # renamed: warns, one release
-from mpjax._src.fp8 import value_and_grad as value_and_grad  # renamed: warns, one release
-from mpjax._src.fp8_dot import fp8_dot_general, qdq
+from mpjax._src.float8.fp8 import fp8_max as fp8_max  # renamed: warns, one release
+from mpjax._src.float8.fp8 import value_and_grad as value_and_grad  # renamed: warns, one release
+from mpjax._src.float8.fp8_dot import fp8_dot_general, qdq
 
 __all__ = (
     "apply",

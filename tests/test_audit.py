@@ -20,8 +20,9 @@ from jax import lax
 from jax.extend.mlir import ir
 
 import mpjax
-from mpjax._src import audit_hlo, audit_report, audit_stablehlo, hardware
-from mpjax._src.first_order import UNTOUCHED_SCOPE
+from mpjax._src import hardware
+from mpjax._src.interpreter.first_order import UNTOUCHED_SCOPE
+from mpjax._src.tools import audit_hlo, audit_report, audit_stablehlo
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import simplenet as benchmark  # noqa: E402
@@ -736,7 +737,7 @@ def test_collectives_the_policys_float32_regions_move_are_its_own_choice():
     """assert_collectives_in allows what a norm's float32 region moves (its float32 params
     gathered, its cotangent resharded: keep_norm_fp32 asks for float32 there) and still names
     a float32 collective anywhere else."""
-    from mpjax._src.audit_report import AuditReport, Collective
+    from mpjax._src.tools.audit_report import AuditReport, Collective
 
     def report(*names):
         found = tuple(

@@ -9,7 +9,7 @@ from conftest import eqns
 from jax import lax
 
 import mpjax
-from mpjax._src import ops as mpjax_ops
+from mpjax._src.interpreter import ops as mpjax_ops
 
 HALF = {"float16": np.dtype("float16"), "bfloat16": np.dtype(jnp.bfloat16)}
 F32 = np.dtype("float32")
@@ -462,7 +462,7 @@ def _public_primitives():
 
 
 def test_every_primitive_of_this_jax_has_a_record_in_the_one_table():
-    from mpjax._src import interpret, ops
+    from mpjax._src.interpreter import interpret, ops
 
     found = _public_primitives()
     assert len(found) > 150  # the enumeration itself works
@@ -475,7 +475,8 @@ def test_every_primitive_of_this_jax_has_a_record_in_the_one_table():
 def test_every_list_of_primitives_is_derived_from_the_table():
     """A trait given in one record reaches every rule that reads it: the rules' lists are the
     table's, not copies, so adding a primitive is one record."""
-    from mpjax._src import f32_search, first_order, islands, ops, rules, shadow
+    from mpjax._src.interpreter import first_order, islands, ops, rules
+    from mpjax._src.tools import f32_search, shadow
 
     T = ops.Trait
     assert "reshape" in rules.SHAPE_OPS and ops.PRIMITIVES["reshape"].traits & T.MOVES
@@ -606,7 +607,7 @@ def test_recurses_into_shard_map_and_keeps_collectives_in_their_traced_dtype():
 
 def test_a_body_autocast_cannot_rebuild_warns_is_audited_and_strict_raises(monkeypatch):
     from mpjax._src import jax_compat
-    from mpjax._src.autocast import UntouchedWarning
+    from mpjax._src.interpreter.autocast import UntouchedWarning
 
     def cannot(params):
         raise jax_compat.CannotRebuild("a JAX without this internal")

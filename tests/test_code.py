@@ -11,6 +11,13 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "mpjax"
 
 
+def _where(module: str) -> str:
+    """The dotted name of the mpjax._src module `module`, in whichever subpackage."""
+    found = [n for n in _modules() if n.startswith("mpjax._src.") and n.endswith(f".{module}")]
+    assert len(found) == 1, (module, found)
+    return found[0]
+
+
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
@@ -64,9 +71,14 @@ def test_the_cycle_finder_finds_a_circle():
 
 def test_no_module_of_mpjax_imports_one_that_imports_it_back():
     modules = _modules()
-    assert "mpjax._src.autocast" in modules and "mpjax._src.autocast_uses" in modules
+    assert (
+        "mpjax._src.interpreter.autocast" in modules
+        and "mpjax._src.interpreter.autocast_uses" in modules
+    )
     graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
-    assert "mpjax._src.rules" in graph["mpjax._src.autocast"]  # the reading works
+    assert (
+        "mpjax._src.interpreter.rules" in graph["mpjax._src.interpreter.autocast"]
+    )  # the reading works
     assert _cycle(graph) is None, f"import circle: {' -> '.join(_cycle(graph) or [])}"
 
 
@@ -108,11 +120,11 @@ def _function(module: str, name: str) -> ast.FunctionDef:
 def test_the_default_rule_is_a_page_and_names_no_primitive():
     """The default first-order rule decides through rules.py and treats no primitive by name:
     a primitive that needs more has a rule of its own, registered beside it."""
-    from mpjax._src import ops
+    from mpjax._src.interpreter import ops
 
     default = ("_primitive_rule", "_apply", "_decide", "_keep", "_cast_and_bind")
     for name in default:
-        fn = _function("mpjax._src.first_order", name)
+        fn = _function("mpjax._src.interpreter.first_order", name)
         lines = (fn.end_lineno or fn.lineno) - fn.lineno + 1
         doc = fn.body[0]
         if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
@@ -123,7 +135,7 @@ def test_the_default_rule_is_a_page_and_names_no_primitive():
         # An add of a matmul's result and a smaller value is a bias add, as torch's promote
         # list makes it part of the matmul (rules.target_dtype's bias_add).
         assert named <= {"add"}, (name, named)
-    registered = _function("mpjax._src.first_order", "_gather_rule")
+    registered = _function("mpjax._src.interpreter.first_order", "_gather_rule")
     assert registered.decorator_list, "the special cases are registered rules"
 
 
@@ -133,9 +145,11 @@ def test_the_core_keeps_no_hidden_state():
     core = ["interpret", "ops", "rules", "first_order", "autocast", "autocast_uses", "values"]
     modules = _modules()
     for name in core:
-        source = modules[f"mpjax._src.{name}"].read_text()
+        source = modules[f"mpjax._src.interpreter.{name}"].read_text()
         assert "ContextVar" not in source and "contextvars" not in source, name
-    assert "ContextVar" in modules["mpjax._src.autocast_api"].read_text()  # the reading works
+    assert (
+        "ContextVar" in modules["mpjax._src.interpreter.autocast_api"].read_text()
+    )  # the reading works
 
 
 def _level_comparisons(source: str) -> list[int]:
@@ -173,7 +187,7 @@ def test_no_walker_names_a_higher_order_primitive():
     """Each higher-order primitive's names and bodies are written once, in its
     interpret.Layout; the interpreters register their rules by it and read its bodies
     through it (``interpret.SCAN.names``, ``interpret.branches(eqn)``)."""
-    from mpjax._src import interpret
+    from mpjax._src.interpreter import interpret
 
     names = {n for layout in interpret.LAYOUTS for n in layout.names}
     names |= {k for layout in interpret.LAYOUTS for keys in layout.params.values() for k in keys}
@@ -184,7 +198,7 @@ def test_no_walker_names_a_higher_order_primitive():
                "f32_search"]  # fmt: skip
     modules = _modules()
     found = {}
-    for name in [f"mpjax._src.{w}" for w in walkers] + ["mpjax.export", "mpjax.flax"]:
+    for name in [_where(w) for w in walkers] + ["mpjax.export", "mpjax.flax"]:
         tree = ast.parse(modules[name].read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
         if named := sorted(s for s in strings if isinstance(s, str) and s in names):
@@ -201,7 +215,7 @@ def test_the_core_is_typed_but_where_jax_is_not():
     `Any` stays where JAX itself is untyped (an equation's params, a name stack, a
     shard_map's tracing context), at most 120 times over the eight modules."""
     count = {
-        name: len(re.findall(r"\bAny\b", _modules()[f"mpjax._src.{name}"].read_text()))
+        name: len(re.findall(r"\bAny\b", _modules()[f"mpjax._src.interpreter.{name}"].read_text()))
         for name in CORE
     }
     assert sum(count.values()) > 20, count  # the reading works
@@ -213,7 +227,7 @@ def test_every_evaluation_rule_takes_a_step_and_the_operands():
     equation, the values known, the use analysis, the mode and the traceback."""
     import inspect
 
-    from mpjax._src import autocast, first_order
+    from mpjax._src.interpreter import autocast, first_order
 
     registries = [first_order.RULES, autocast.RULES]
     rules = {r for registry in registries for r in registry._rules.values()}

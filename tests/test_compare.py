@@ -19,7 +19,7 @@ from flax import nnx
 
 import mpjax
 import mpjax.flax
-from mpjax._src.compare_metric import relative_error as _error
+from mpjax._src.tools.compare_metric import relative_error as _error
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 

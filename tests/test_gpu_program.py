@@ -1,5 +1,5 @@
-"""The GPU program read on any machine (mpjax/_src/gpu_program.py): the optimized HLO's kernels,
-bytes and gemm dtypes, and mpjax.audit(..., target="h100") where JAX's CUDA plugin is
+"""The GPU program read on any machine (mpjax/_src/tools/gpu_program.py): the optimized HLO's
+kernels, bytes and gemm dtypes, and mpjax.audit(..., target="h100") where JAX's CUDA plugin is
 installed (CI installs it for the slow set on the newest JAX)."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mpjax
-from mpjax._src import gpu_program
+from mpjax._src.tools import gpu_program
 
 HAS_PLUGIN = importlib.util.find_spec("jax_plugins") is not None and any(
     importlib.util.find_spec(name) is not None

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from mpjax._src import autocast, first_order, interpret, ops
+from mpjax._src.interpreter import autocast, first_order, interpret, ops
 
 
 def _eqn(fn, *args, name):
@@ -14,7 +14,7 @@ def _eqn(fn, *args, name):
 
 
 def test_a_rule_is_found_by_primitive_then_higher_order_then_default():
-    rules = interpret.Rules(default=lambda e: "default", higher_order=lambda e: "higher")
+    rules = interpret.Registry(default=lambda e: "default", higher_order=lambda e: "higher")
     rules.register("exp")(lambda e: "exp")
     exp = _eqn(jnp.exp, 1.0, name="exp")
     sin = _eqn(jnp.sin, 1.0, name="sin")
@@ -29,7 +29,7 @@ def test_a_rule_is_found_by_primitive_then_higher_order_then_default():
 
 
 def test_an_extension_overrides_and_inherits_without_touching_its_parent():
-    base = interpret.Rules(default=lambda e: "base default")
+    base = interpret.Registry(default=lambda e: "base default")
     base.register("exp")(lambda e: "base exp")
     child = base.extend()
     child.register("exp")(lambda e: ("child", child.inherited(e)(e)))
@@ -39,11 +39,11 @@ def test_an_extension_overrides_and_inherits_without_touching_its_parent():
     assert child(sin)(sin) == "base default"
     assert base(exp)(exp) == "base exp"
     with pytest.raises(KeyError, match="no rule"):
-        interpret.Rules()(sin)
+        interpret.Registry()(sin)
 
 
 def test_fp8_extends_autocasts_rules_and_leaves_them_as_they_are():
-    from mpjax._src import fp8
+    from mpjax._src.float8 import fp8
 
     sites = fp8._Sites(None, None, fp8.policy("O2"))
     rules = sites.rules()

@@ -19,8 +19,8 @@ from flax import nnx
 
 import mpjax
 import mpjax.flax
-from mpjax._src import islands as islands_lib
 from mpjax._src import jax_compat
+from mpjax._src.interpreter import islands as islands_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import memory  # noqa: E402  (the benchmark's exact counts)

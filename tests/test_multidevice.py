@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import mpjax
-from mpjax._src.autocast import UntouchedWarning
+from mpjax._src.interpreter.autocast import UntouchedWarning
 
 N = 8
 MULTI = jax.device_count() >= N

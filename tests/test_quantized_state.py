@@ -9,7 +9,7 @@ import pytest
 from conftest import assert_trees_bit_identical
 
 import mpjax
-from mpjax._src.quantized_state import FORMATS
+from mpjax._src.optim.quantized_state import FORMATS
 
 
 def _bytes(tree):

@@ -1,4 +1,4 @@
-"""The TPU program read on any machine (mpjax/_src/tpu_program.py): targets by name, the
+"""The TPU program read on any machine (mpjax/_src/tools/tpu_program.py): targets by name, the
 optimized TPU HLO's fusions, HBM bytes and matmul FLOPs. The compiles need libtpu (CI
 installs it for the slow set on the newest JAX); the rest runs everywhere."""
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import mpjax
-from mpjax._src import gpu_program, tpu_program
+from mpjax._src.tools import gpu_program, tpu_program
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")

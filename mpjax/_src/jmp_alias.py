@@ -17,6 +17,8 @@ import sys
 from typing import Any
 
 _JMP_SRC = "jmp._src"
+# jmp's private modules that mpjax keeps in a subpackage (jmp._src.policy is mpjax's policy).
+_MOVED = {".loss_scale": ".scaling.loss_scale"}
 
 
 class _Existing(importlib.abc.Loader):
@@ -39,7 +41,8 @@ class _JmpSrcFinder(importlib.abc.MetaPathFinder):
         if sys.modules.get("jmp") is not sys.modules.get("mpjax"):
             return None  # jmp itself, or no jmp: the usual import
         try:
-            module = importlib.import_module("mpjax._src" + fullname[len(_JMP_SRC) :])
+            rest = fullname[len(_JMP_SRC) :]
+            module = importlib.import_module("mpjax._src" + _MOVED.get(rest, rest))
         except ImportError:
             return None
         return importlib.util.spec_from_loader(fullname, _Existing(module))

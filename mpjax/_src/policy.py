@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax._src import levels, ops
-from mpjax._src import loss_scale as loss_scale_lib
+from mpjax._src import levels
+from mpjax._src.interpreter import ops
+from mpjax._src.scaling import loss_scale as loss_scale_lib
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from jax import lax
 
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.rules import n_elements, sums_stay_local
+from mpjax._src.interpreter.rules import n_elements, sums_stay_local
 
 
 def gather_half(

@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from mpjax._src.audit_report import Collective
+from mpjax._src.tools.audit_report import Collective
 
 # -- the backend's optimized HLO: text, the only form it has -------------------------------
 

@@ -12,8 +12,8 @@ from typing import Any
 from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 
-from mpjax._src.audit_report import HALF_DTYPES, Collective, MatmulOp, Risk
-from mpjax._src.first_order import UNTOUCHED_SCOPE, untouched_reason
+from mpjax._src.interpreter.first_order import UNTOUCHED_SCOPE, untouched_reason
+from mpjax._src.tools.audit_report import HALF_DTYPES, Collective, MatmulOp, Risk
 
 # -- the lowered StableHLO module, walked through the MLIR bindings ------------------------
 

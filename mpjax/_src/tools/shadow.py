@@ -11,15 +11,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
-from mpjax._src.audit_report import short_source
-from mpjax._src.compare_metric import relative_error
 from mpjax._src.dtypes import is_float
-from mpjax._src.nonfinite import nonfinite_kind
-from mpjax._src.ops import Trait
-from mpjax._src.rules import TRACED_DTYPE_OPS
-from mpjax._src.values import scatter_update
+from mpjax._src.interpreter import interpret, ops
+from mpjax._src.interpreter.ops import Trait
+from mpjax._src.interpreter.rules import TRACED_DTYPE_OPS
+from mpjax._src.interpreter.values import scatter_update
+from mpjax._src.tools.audit_report import short_source
+from mpjax._src.tools.compare_metric import relative_error
+from mpjax._src.tools.nonfinite import nonfinite_kind
 
 # Ops that only move data: their error is their input's, so they get no row.
 NO_OWN_ERROR = ops.having(Trait.MOVES | Trait.PASSES)
@@ -300,7 +300,7 @@ class _PairEnv(interpret.Env[Pair]):
 
 # The shadow's rules: calls are entered, loops run iteration by iteration, a cond runs the
 # branch each track takes; any other equation runs on both tracks (Shadow._primitive).
-_SHADOW = interpret.Rules(default=Shadow._primitive)
+_SHADOW = interpret.Registry(default=Shadow._primitive)
 _SHADOW.register(*interpret.CALLS)(Shadow._call)
 _SHADOW.register(*interpret.SCAN.names)(Shadow._scan)
 _SHADOW.register(*interpret.WHILE.names)(Shadow._while)
@@ -310,7 +310,7 @@ _SHADOW.register(*interpret.COND.names)(Shadow._cond)
 # The FLOP count's rules: (matmul FLOPs, those with float32 operands) of an equation run
 # `times` times. A scan body counts per iteration, a while body once, a cond's costliest
 # branch; any other body (a call, a remat) once per run of its equation.
-_FLOPS = interpret.Rules()
+_FLOPS = interpret.Registry()
 
 
 @_FLOPS.register(*interpret.SCAN.names)

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from mpjax._src.first_order import UNTOUCHED_SCOPE
-from mpjax._src.gpu_program import GpuProgram
-from mpjax._src.regions import F32_REGION
-from mpjax._src.tpu_program import TpuProgram
+from mpjax._src.interpreter.first_order import UNTOUCHED_SCOPE
+from mpjax._src.interpreter.regions import F32_REGION
+from mpjax._src.tools.gpu_program import GpuProgram
+from mpjax._src.tools.tpu_program import TpuProgram
 
 HALF_DTYPES = ("float16", "bfloat16")
 

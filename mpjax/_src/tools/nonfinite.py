@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax._src import interpret, jax_compat
+from mpjax._src import jax_compat
+from mpjax._src.interpreter import interpret
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ Every walk mpjax makes over a jaxpr is a set of rules on this module: autocast's
 (backward) and evaluation (forward), compare's float32 shadow and FLOP count, find_nonfinite,
 export's use analysis and FP8's site search. As in JAX's own interpreters (checkify, jet), a
 loop here knows no primitive by name: it reads each equation's operands, asks a
-:class:`Rules` registry for the equation's rule and writes what the rule returns. What a
+:class:`Registry` for the equation's rule and writes what the rule returns. What a
 higher-order primitive's bodies are, and which of its operands each body takes, is written
 once, in the tables and decoders below.
 """
@@ -175,7 +175,7 @@ def cond_parts(eqn: jc.JaxprEqn, xs: Sequence[T]) -> tuple[T, list[T]]:
 # -- rules --------------------------------------------------------------------------------------
 
 
-class Rules:
+class Registry:
     """A registry of rules keyed by primitive name, as JAX keeps one per interpreter.
 
     A rule is looked up by the equation's primitive; a primitive with no rule of its own gets
@@ -188,7 +188,7 @@ class Rules:
         self,
         default: Callable[..., Any] | None = None,
         higher_order: Callable[..., Any] | None = None,
-        parent: Rules | None = None,
+        parent: Registry | None = None,
     ):
         self._rules: dict[str, Callable[..., Any]] = {}
         self._default = default
@@ -246,9 +246,9 @@ class Rules:
             raise KeyError("a registry that extends none has no inherited rules")
         return self._parent(eqn)
 
-    def extend(self) -> Rules:
+    def extend(self) -> Registry:
         """A registry whose own rules come first, then this one's."""
-        return Rules(parent=self)
+        return Registry(parent=self)
 
 
 # -- the loops ----------------------------------------------------------------------------------

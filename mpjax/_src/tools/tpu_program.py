@@ -1,7 +1,7 @@
 """The program XLA compiles for a Google TPU, read on any machine: libtpu compiles for a TPU
 it does not have through a compile-only topology (``jax.experimental.topologies``), and the
 compiled program's text is the optimized TPU HLO. Its top-level fusions are read as the GPU
-program's kernels are (:mod:`mpjax._src.gpu_program`): a TPU's matmuls are the convolutions
+program's kernels are (:mod:`mpjax._src.tools.gpu_program`): a TPU's matmuls are the convolutions
 (or dots) inside its output fusions, its bytes are what moves through HBM (arrays kept in a
 core's own memory, VMEM, are not), and its DMAs between the two count as copies.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 
-from mpjax._src import gpu_program
-from mpjax._src.gpu_program import GpuProgram, Roofline
+from mpjax._src.tools import gpu_program
+from mpjax._src.tools.gpu_program import GpuProgram, Roofline
 
 # Each chip: the smallest topology libtpu compiles for (one host's chips; a single-chip
 # target runs on its first), and its roofline. The peaks are the chips' published dense

@@ -6,8 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
-from mpjax._src.audit_report import short_source
-from mpjax._src.compare_metric import METRIC_TEXT
+from mpjax._src.tools.audit_report import short_source
+from mpjax._src.tools.compare_metric import METRIC_TEXT
 
 # -- results -----------------------------------------------------------------------------------
 

@@ -7,16 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from mpjax._src import interpret
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.policy import Policy
-from mpjax._src.rules import (  # the dtype rules; this module is the machinery that applies them
+from mpjax._src.interpreter import interpret
+
+# the dtype rules; this module is the machinery that applies them
+from mpjax._src.interpreter.rules import (
     NO_USE,
     Mode,
     Use,
     use_flags,
 )
+from mpjax._src.policy import Policy
 
 
 class UseContext(Protocol):
@@ -92,7 +94,7 @@ def analyze(ctx: UseContext, jaxpr: jc.Jaxpr, out_flags: tuple[Use, ...], mode: 
 # body uses them; a decision inside a scan's or a cond's body is a decision on the operand;
 # a while loop's carries that its condition depends on (through any number of iterations)
 # decide. Other bodies (remat, shard_map, unknown higher-order primitives) are opaque here.
-USE_RULES = interpret.Rules(
+USE_RULES = interpret.Registry(
     default=lambda ctx, eqn, mode, out_dec, out_f32, flags_of: use_flags(
         eqn, mode, out_dec, out_f32
     )

@@ -13,13 +13,13 @@ import jax
 import numpy as np
 
 from mpjax._src import jax_compat as jc
-from mpjax._src import ops
-from mpjax._src.compare import Program, check_fn, run_compare, trace_program
-from mpjax._src.compare_metric import check_metric, metric_name, relative_error
-from mpjax._src.compare_report import CompareReport, fmt
-from mpjax._src.ops import Trait
+from mpjax._src.interpreter import ops
+from mpjax._src.interpreter.ops import Trait
 from mpjax._src.policy import Policy
-from mpjax._src.shadow import count_flops
+from mpjax._src.tools.compare import Program, check_fn, run_compare, trace_program
+from mpjax._src.tools.compare_metric import check_metric, metric_name, relative_error
+from mpjax._src.tools.compare_report import CompareReport, fmt
+from mpjax._src.tools.shadow import count_flops
 
 # The cast, ops that decide by an order and ops that only move data: never candidates for
 # the float32 list.

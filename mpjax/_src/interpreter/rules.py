@@ -22,9 +22,10 @@ import jax
 import numpy as np
 
 from mpjax._src import jax_compat as jc
-from mpjax._src import levels, ops
+from mpjax._src import levels
 from mpjax._src.dtypes import dtype_max, is_float_dtype, max_exponent
-from mpjax._src.ops import Trait
+from mpjax._src.interpreter import ops
+from mpjax._src.interpreter.ops import Trait
 from mpjax._src.policy import Policy
 
 # What an equation runs under: a policy, or a region's full precision ("f32", a norm under the

@@ -9,12 +9,12 @@ from typing import Any
 
 import jax
 
-from mpjax._src import gpu_program, tpu_program
-from mpjax._src.audit_hlo import compile_text, parse_compiled, partitioned_collectives
-from mpjax._src.audit_report import AuditReport
-from mpjax._src.audit_stablehlo import read_module
-from mpjax._src.autocast_api import flat_call
-from mpjax._src.values import is_dynamic
+from mpjax._src.interpreter.autocast_api import flat_call
+from mpjax._src.interpreter.values import is_dynamic
+from mpjax._src.tools import gpu_program, tpu_program
+from mpjax._src.tools.audit_hlo import compile_text, parse_compiled, partitioned_collectives
+from mpjax._src.tools.audit_report import AuditReport
+from mpjax._src.tools.audit_stablehlo import read_module
 
 
 def _lower(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:

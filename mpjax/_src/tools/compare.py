@@ -16,16 +16,16 @@ import numpy as np
 
 from mpjax._src import jax_compat as jc
 from mpjax._src import levels
-from mpjax._src.audit_report import short_source
-from mpjax._src.autocast_api import autocast, flat_call, flax_module_kind, for_shadow
-from mpjax._src.compare_metric import check_metric, metric_name, output_scale, relative_error
-from mpjax._src.compare_report import CompareReport, CompareRow, ModuleError, OutputError
 from mpjax._src.dtypes import is_float
 from mpjax._src.hardware import HardwareWarning
-from mpjax._src.module_paths import clean_name, linen_paths, module_of, nnx_paths
+from mpjax._src.interpreter.autocast_api import autocast, flat_call, flax_module_kind, for_shadow
+from mpjax._src.interpreter.module_paths import clean_name, linen_paths, module_of, nnx_paths
+from mpjax._src.interpreter.values import dynamic_leaves
 from mpjax._src.policy import Policy
-from mpjax._src.shadow import Shadow, Stat, dtype_text, eqn_flops, to_f32
-from mpjax._src.values import dynamic_leaves
+from mpjax._src.tools.audit_report import short_source
+from mpjax._src.tools.compare_metric import check_metric, metric_name, output_scale, relative_error
+from mpjax._src.tools.compare_report import CompareReport, CompareRow, ModuleError, OutputError
+from mpjax._src.tools.shadow import Shadow, Stat, dtype_text, eqn_flops, to_f32
 
 
 @dataclasses.dataclass

@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from mpjax._src import first_order, interpret, ops
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast_uses import Uses, analyze, while_facts
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.first_order import (
+from mpjax._src.interpreter import first_order, interpret, ops
+from mpjax._src.interpreter.autocast_uses import Uses, analyze, while_facts
+from mpjax._src.interpreter.first_order import (
     NOT_REBUILT,
     Rule,
     Step,
@@ -33,11 +33,10 @@ from mpjax._src.first_order import (
     to_traced,
     untouched_reason,
 )
-from mpjax._src.islands import remat_islands, tangents_inside
-from mpjax._src.policy import Policy
-from mpjax._src.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
-from mpjax._src.rules import NO_USE, Hold, Mode, Use
-from mpjax._src.values import (
+from mpjax._src.interpreter.islands import remat_islands, tangents_inside
+from mpjax._src.interpreter.regions import F32_REGION, HALF_REGION, MARKER, REGIONS
+from mpjax._src.interpreter.rules import NO_USE, Hold, Mode, Use
+from mpjax._src.interpreter.values import (
     KNOWN_LIMIT,
     Results,
     ValueFacts,
@@ -46,6 +45,7 @@ from mpjax._src.values import (
     fill_dynamic,
     is_value,
 )
+from mpjax._src.policy import Policy
 
 
 class UntouchedWarning(UserWarning):
@@ -62,7 +62,7 @@ class Context:
         self,
         policy: Policy,
         regions: Mapping[str, Policy],
-        rules: interpret.Rules | None = None,
+        rules: interpret.Registry | None = None,
         strict: bool = False,
     ):
         self.policy = policy
@@ -76,7 +76,7 @@ class Context:
         self.memo: dict[Any, Any] = {}
         # The evaluation's rules by primitive (see RULES); mpjax.fp8 evaluates under an
         # extension of them that runs dot_general in FP8 and passes scales into bodies.
-        self.rules: interpret.Rules = RULES if rules is None else rules
+        self.rules: interpret.Registry = RULES if rules is None else rules
         # A custom-derivative rule runs under the policy: JAX differentiates a jvp rule by
         # linearizing and transposing it, which a custom_vjp inside cannot take, so the float32
         # reductions that need one (dot_wide_grads, gather_half) keep JAX's own rules there.
@@ -264,7 +264,7 @@ def _body_facts(
 # remat'ed layers adds inside); a loop's carries are carried values in its body; any other
 # body (shard_map's, per shard) is told nothing.
 _FRESH, _CARRY = ValueFacts(static=False), ValueFacts(static=False, carried=True)
-_BODY_FACTS = interpret.Rules(
+_BODY_FACTS = interpret.Registry(
     default=lambda eqn, key, operands, results_used, ctx, mode: BodyFacts(
         [_FRESH] * len(eqn.invars), None
     )
@@ -413,7 +413,7 @@ _Evaluator = Callable[[jc.ClosedJaxpr], Callable[[list[jc.Value]], list[jc.Value
 
 # How a primitive's rebuilt bodies take extra operands (see _bind_with_operands), one rule
 # per primitive: (eqn, its operands, the body evaluator, consts, xs, enter) -> its results.
-_WITH_OPERANDS = interpret.Rules()
+_WITH_OPERANDS = interpret.Registry()
 
 
 @_WITH_OPERANDS.register(*interpret.COND.names)

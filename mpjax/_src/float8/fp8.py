@@ -15,10 +15,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from mpjax._src import autocast as autocast_lib
-from mpjax._src import autocast_api, interpret, levels, transform, values
-from mpjax._src.first_order import Step
-from mpjax._src.fp8_dot import (
+from mpjax._src import levels
+from mpjax._src.float8.fp8_dot import (
     E4M3,
     E5M2,
     GRAD,
@@ -31,9 +29,13 @@ from mpjax._src.fp8_dot import (
     fp8_dot_rows,
     scale_of,
 )
+from mpjax._src.interpreter import autocast as autocast_lib
+from mpjax._src.interpreter import autocast_api, interpret, values
+from mpjax._src.interpreter.first_order import Step
+from mpjax._src.interpreter.rules import Hold
+from mpjax._src.interpreter.values import Results
 from mpjax._src.policy import Policy, is_float8
-from mpjax._src.rules import Hold
-from mpjax._src.values import Results
+from mpjax._src.scaling import transform
 
 _ROLES = 3
 _ALIGN = 16  # tensor cores take FP8 matrices whose dimensions are multiples of 16
@@ -416,7 +418,7 @@ class _Sites:
             return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
 
-    def rules(self) -> interpret.Rules:
+    def rules(self) -> interpret.Registry:
         """Autocast's rules, with eligible dots run in FP8 at their sites, and the scales and
         amax sinks passed into the bodies of scans, remats and conds that hold sites."""
         rules = autocast_lib.RULES.extend()

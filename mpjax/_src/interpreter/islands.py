@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.ops import Trait
+from mpjax._src.interpreter import interpret, ops
+from mpjax._src.interpreter.ops import Trait
 
 # Float32 islands (see Values.tag_island): the ops that extend one, the name its values carry,
 # and the remat policy that recomputes them for the backward pass instead of keeping them.

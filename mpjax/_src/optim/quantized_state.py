@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from mpjax._src.dtypes import is_float
-from mpjax._src.half_params import (
+from mpjax._src.optim.half_params import (
     arrays_of,
     check_inner,
     key_and_impl,

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpjax._src import loss_scale as ls_lib
 from mpjax._src.dtypes import is_half, is_inexact
-from mpjax._src.half_params import arrays_of
+from mpjax._src.optim.half_params import arrays_of
+from mpjax._src.scaling import loss_scale as ls_lib
 
 
 class NonFiniteLeaves:

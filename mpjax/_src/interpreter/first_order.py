@@ -17,15 +17,14 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from mpjax._src import interpret, ops
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast_uses import Uses
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.half_grads import dot_wide_grads, grows_half, lookup
-from mpjax._src.islands import as_island
-from mpjax._src.ops import Trait
-from mpjax._src.policy import Policy
-from mpjax._src.rules import (
+from mpjax._src.interpreter import interpret, ops
+from mpjax._src.interpreter.autocast_uses import Uses
+from mpjax._src.interpreter.half_grads import dot_wide_grads, grows_half, lookup
+from mpjax._src.interpreter.islands import as_island
+from mpjax._src.interpreter.ops import Trait
+from mpjax._src.interpreter.rules import (
     ELEMENTWISE,
     FILL_OPS,
     Action,
@@ -40,8 +39,9 @@ from mpjax._src.rules import (
     op_lists,
     saturates_fills,
 )
-from mpjax._src.rules import target_dtype as _target_dtype
-from mpjax._src.values import Results, Values, cast, params_at
+from mpjax._src.interpreter.rules import target_dtype as _target_dtype
+from mpjax._src.interpreter.values import Results, Values, cast, params_at
+from mpjax._src.policy import Policy
 
 
 class RuleContext(Protocol):
@@ -67,7 +67,7 @@ class Step(NamedTuple):
 Rule = Callable[[Step, list[jc.Value]], Results]
 
 # The first-order rules, by primitive. autocast.RULES extends them with the higher-order ones.
-RULES = interpret.Rules()
+RULES = interpret.Registry()
 
 UNTOUCHED_SCOPE = "mpjax_untouched"
 # The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).

@@ -15,10 +15,10 @@ import jax
 
 from mpjax._src import hardware, levels
 from mpjax._src import jax_compat as jc
-from mpjax._src.autocast import Context, eval_jaxpr, trace_body
 from mpjax._src.dtypes import is_float_dtype
+from mpjax._src.interpreter.autocast import Context, eval_jaxpr, trace_body
+from mpjax._src.interpreter.values import cast, dynamic_leaves, fill_dynamic
 from mpjax._src.policy import Policy
-from mpjax._src.values import cast, dynamic_leaves, fill_dynamic
 
 
 def trace_call(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:

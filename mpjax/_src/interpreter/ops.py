@@ -7,7 +7,7 @@ import enum
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from mpjax._src import interpret
+from mpjax._src.interpreter import interpret
 
 
 class Kind(enum.Enum):

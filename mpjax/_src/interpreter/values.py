@@ -12,12 +12,12 @@ import numpy as np
 from jax import lax
 
 from mpjax._src import jax_compat as jc
-from mpjax._src import ops
 from mpjax._src.dtypes import dtype_max, is_float_dtype
-from mpjax._src.half_grads import gather_half, lookup
-from mpjax._src.islands import ISLAND_OPS, as_island, is_island_call
-from mpjax._src.ops import Trait
-from mpjax._src.rules import SHAPE_OPS, Hold, may_exceed, n_elements
+from mpjax._src.interpreter import ops
+from mpjax._src.interpreter.half_grads import gather_half, lookup
+from mpjax._src.interpreter.islands import ISLAND_OPS, as_island, is_island_call
+from mpjax._src.interpreter.ops import Trait
+from mpjax._src.interpreter.rules import SHAPE_OPS, Hold, may_exceed, n_elements
 
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
 KNOWN_LIMIT = 1 << 16

@@ -11,8 +11,8 @@ from typing import Any
 
 import jax
 
+from mpjax._src.interpreter.regions import F32_REGION, region_key
 from mpjax._src.policy import Policy
-from mpjax._src.regions import F32_REGION, region_key
 
 # Module paths travel in the name stack as this scope (``/`` would split it into parts).
 _MODULE_SCOPE = "mpjax_module:"

@@ -1,0 +1,1 @@
+"""FP8: policies, scaling recipes and the FP8 dot."""

@@ -1,0 +1,2 @@
+"""The autocast interpreter: the interpreter core, the op table, the dtype rule, and
+autocast's evaluation and analyses."""
