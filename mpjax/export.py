@@ -28,7 +28,7 @@ from mpjax._src import jax_compat as jc
 from mpjax._src import levels
 from mpjax._src.interpreter import interpret
 from mpjax._src.interpreter.autocast_api import autocast
-from mpjax._src.interpreter.rules import SHAPE_OPS
+from mpjax._src.interpreter.rules import MOVE_OPS
 from mpjax._src.policy import Policy
 
 _FORMAT = 1
@@ -47,7 +47,7 @@ _LOWER_ONLY = interpret.Registry(
 )
 
 
-@_LOWER_ONLY.register(*SHAPE_OPS, "convert_element_type")
+@_LOWER_ONLY.register(*MOVE_OPS, "convert_element_type")
 def _passes_on(eqn: Any, outs_only: list[bool], lower_ops: frozenset[str]) -> list[bool]:
     return [all(outs_only)] * len(eqn.invars)
 

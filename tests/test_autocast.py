@@ -479,14 +479,14 @@ def test_every_list_of_primitives_is_derived_from_the_table():
     from mpjax._src.tools import f32_search, shadow
 
     T = ops.Trait
-    assert "reshape" in rules.SHAPE_OPS and ops.PRIMITIVES["reshape"].traits & T.MOVES
+    assert "reshape" in rules.MOVE_OPS and ops.PRIMITIVES["reshape"].traits & T.MOVES
     for name, op in ops.PRIMITIVES.items():
-        assert (name in rules.SHAPE_OPS) == bool(op.traits & T.MOVES), name
+        assert (name in rules.MOVE_OPS) == bool(op.traits & T.MOVES), name
         assert (name in rules.PASS_OPS) == bool(op.traits & T.PASSES), name
         assert (name in rules.DECISION_OPS) == bool(op.traits & T.DECIDES), name
         assert (name in rules.CARRY_OPS) == bool(op.traits & T.CARRIES), name
         assert (name in islands.ISLAND_OPS) == bool(op.traits & T.ISLAND), name
-        assert (name in first_order._CASTS_COMMUTE) == bool(op.traits & T.CAST_FIRST), name
+        assert (name in first_order._CAST_FIRST_OPS) == bool(op.traits & T.CAST_FIRST), name
         assert (name in shadow.NO_OWN_ERROR) == bool(op.traits & (T.MOVES | T.PASSES)), name
         in_table_kind = op.kind in (ops.Kind.LOWER, ops.Kind.F32, ops.Kind.FOLLOW)
         assert (name in ops.KNOWN_OPS) == in_table_kind, name

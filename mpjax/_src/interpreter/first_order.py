@@ -197,7 +197,7 @@ def _keep(
         x = jc.convert(invals[0], np.float32)
         return jc.convert(jc.bind(eqn.primitive, [x, *invals[1:]], eqn.params), invals[0].dtype)
     out = jc.bind(eqn.primitive, invals, eqn.params) if bind is None else bind(invals, wide_sums)
-    if eqn.primitive.name in _CASTS_COMMUTE and moves_half(mode):
+    if eqn.primitive.name in _CAST_FIRST_OPS and moves_half(mode):
         env.move(eqn, invals, np.dtype(mode.compute_dtype), wide_sums.grads, wide_sums.lookups)
     return out
 
@@ -350,4 +350,4 @@ def _bind_wide_grads(
 # Data movement: a cast commutes with it, so it can run on the half cast (see Values.move).
 # Resharding ops move the value between devices (.at[].get(out_sharding=) is a gather, then
 # a reshard; on JAX 0.6 a gather between two mesh_casts).
-_CASTS_COMMUTE = ops.having(Trait.CAST_FIRST)
+_CAST_FIRST_OPS = ops.having(Trait.CAST_FIRST)

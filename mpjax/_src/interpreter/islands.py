@@ -55,7 +55,7 @@ _CONST_MAKERS = ops.having(Trait.CONSTANT)
 # _statistics).
 STATISTIC = "mpjax_island_statistic"
 _STAT_RATIO = 8
-_REDUCTIONS = ops.having(Trait.STATISTIC)
+_STATISTIC_OPS = ops.having(Trait.STATISTIC)
 SAVE_STATISTICS = jax.checkpoint_policies.save_only_these_names(STATISTIC)
 
 # Whether islands rebuilt now may name their statistics. Not inside a jvp rule: its
@@ -116,7 +116,7 @@ def _statistics(run: list[jc.JaxprEqn]) -> set[jc.Atom]:
     return {
         e.outvars[0]
         for e in run
-        if e.primitive.name in _REDUCTIONS
+        if e.primitive.name in _STATISTIC_OPS
         and size(e.outvars[0]) * _STAT_RATIO <= size(e.invars[0])
         and not of_exp(e.invars[0])
     }

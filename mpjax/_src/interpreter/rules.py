@@ -37,13 +37,13 @@ PASS_OPS = ops.having(Trait.PASSES)
 # Ops that only move data: they keep their input's dtype and the first computing consumer
 # casts. Besides saving converts, this keeps backward reductions in float32: the transpose of
 # broadcasting a float32 bias is a float32 sum of the half cotangent, not a half sum.
-SHAPE_OPS = ops.having(Trait.MOVES)
+MOVE_OPS = ops.having(Trait.MOVES)
 # Reductions whose result is one of their operand's values, exact in any float dtype.
 _EXACT_REDUCTIONS = ops.having(Trait.EXACT)
 # Elementwise ops that broadcast size-1 dimensions implicitly.
 ELEMENTWISE = ops.having(Trait.ELEMENTWISE)
 # Ops whose meaning depends on the bit width: always run in their traced dtype.
-TRACED_DTYPE_OPS = ops.having(Trait.BIT_WIDTH)
+BIT_WIDTH_OPS = ops.having(Trait.BIT_WIDTH)
 # Ops whose float operands only decide something (a bool, an index, an order): they and the
 # values feeding them keep their traced dtype, so rounding cannot flip a decision.
 DECISION_OPS = ops.having(Trait.DECIDES)
@@ -213,7 +213,7 @@ def use_flags(eqn: jc.JaxprEqn, mode: Mode, out_dec: bool, out_f32: bool) -> lis
         # max is taken in float32 as well, inside the softmax's island (the same value: a
         # max is exact in any float dtype), so that XLA sees one softmax to fuse.
         return [Use(out_dec, out_f32)] * n
-    if name not in ops.KNOWN_OPS and name in SHAPE_OPS:
+    if name not in ops.KNOWN_OPS and name in MOVE_OPS:
         return [Use(out_dec, False)] * n  # a slice of a coordinate that is floored decides too
     if name in _EXACT_REDUCTIONS:
         # ...but the max does not pull the scores' producer into float32: the island starts
@@ -279,9 +279,9 @@ def target_dtype(
         return Decision(Action.KEEP)
     held = [o.held for o in operands]
     static = [o.static for o in operands]
-    if name in SHAPE_OPS or name in PASS_OPS:
+    if name in MOVE_OPS or name in PASS_OPS:
         return Decision(Action.KEEP, hold=Hold(max(held[i] for i in floats_at)))
-    if name in TRACED_DTYPE_OPS or name not in ops.KNOWN_OPS:
+    if name in BIT_WIDTH_OPS or name not in ops.KNOWN_OPS:
         return Decision(Action.UNTOUCHED)  # unknown primitive: never wrong, only slower
     traced = [np.dtype(jc.aval(eqn.invars[i]).dtype) for i in floats_at]
     full = _widest([*traced, np.dtype(np.float32)])

@@ -17,7 +17,7 @@ from mpjax._src.interpreter import ops
 from mpjax._src.interpreter.half_grads import gather_half, lookup
 from mpjax._src.interpreter.islands import ISLAND_OPS, as_island, is_island_call
 from mpjax._src.interpreter.ops import Trait
-from mpjax._src.interpreter.rules import SHAPE_OPS, Hold, may_exceed, n_elements
+from mpjax._src.interpreter.rules import MOVE_OPS, Hold, may_exceed, n_elements
 
 # Known values (trace-time constants) are computed up to this many elements, to check casts.
 KNOWN_LIMIT = 1 << 16
@@ -177,7 +177,7 @@ class Values:
         carried = eqn.primitive.name in CARRY_PASS and any(
             self.is_carried(v) for v in eqn.invars if is_float_dtype(jc.aval(v).dtype)
         )
-        moved = eqn.primitive.name in SHAPE_OPS and not isinstance(eqn.invars[0], jc.Literal)
+        moved = eqn.primitive.name in MOVE_OPS and not isinstance(eqn.invars[0], jc.Literal)
         for i, (v, x) in enumerate(zip(eqn.outvars, outvals, strict=True)):
             if isinstance(v, jc.DropVar):
                 continue
@@ -389,7 +389,7 @@ class Values:
 def known_outputs(eqn: jc.JaxprEqn, known: list[Any]) -> list[Any] | None:
     """The values of an equation on trace-time constants, when small (to check casts)."""
     name = eqn.primitive.name
-    if any(k is None for k in known) or not (name in ops.KNOWN_OPS or name in SHAPE_OPS):
+    if any(k is None for k in known) or not (name in ops.KNOWN_OPS or name in MOVE_OPS):
         return None
     if any(int(np.prod(jc.aval(v).shape)) > KNOWN_LIMIT for v in eqn.outvars):
         return None

@@ -33,7 +33,7 @@ _RISK_OPS = {
     "chlo.erf_inv": "erf_inv",
 }
 # A stablehlo.reduce whose body is one of these ops (and its return) is a sum or a product.
-_REDUCTIONS = {"stablehlo.add": "reduce_sum", "stablehlo.multiply": "reduce_prod"}
+_STATISTIC_OPS = {"stablehlo.add": "reduce_sum", "stablehlo.multiply": "reduce_prod"}
 _MATMULS = {"stablehlo.dot_general": "dot_general", "stablehlo.convolution": "convolution"}
 _STABLEHLO_COLLECTIVES = {
     "stablehlo.all_reduce": "all-reduce",
@@ -272,7 +272,7 @@ def _fp8_origin(value: Any, funcs: dict[str, Any], depth: int = 12) -> str | Non
 def _reduction(op: Any) -> str | None:
     """'reduce_sum' or 'reduce_prod' for a reduce whose body is one add or multiply."""
     body = [o.operation.name for region in op.regions for b in region.blocks for o in b.operations]
-    return _REDUCTIONS.get(body[0]) if len(body) == 2 and body[1] == "stablehlo.return" else None
+    return _STATISTIC_OPS.get(body[0]) if len(body) == 2 and body[1] == "stablehlo.return" else None
 
 
 def _sums_one_element(op: Any) -> bool:

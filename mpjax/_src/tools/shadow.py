@@ -15,7 +15,7 @@ from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float
 from mpjax._src.interpreter import interpret, ops
 from mpjax._src.interpreter.ops import Trait
-from mpjax._src.interpreter.rules import TRACED_DTYPE_OPS
+from mpjax._src.interpreter.rules import BIT_WIDTH_OPS
 from mpjax._src.interpreter.values import scatter_update
 from mpjax._src.tools.audit_report import short_source
 from mpjax._src.tools.compare_metric import relative_error
@@ -169,7 +169,7 @@ class Shadow:
         if prim == "reduce_precision":
             return [rs[0]]
         higher = any(isinstance(p, (jc.Jaxpr, jc.ClosedJaxpr)) for p in eqn.params.values())
-        if prim not in TRACED_DTYPE_OPS and not (higher and "update_jaxpr" not in eqn.params):
+        if prim not in BIT_WIDTH_OPS and not (higher and "update_jaxpr" not in eqn.params):
             try:
                 return [
                     to_f32(o) for o in _listify(jc.bind(eqn.primitive, rs, _f32_params(eqn)), eqn)
