@@ -31,12 +31,15 @@ needs_8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device subprocess"
 @pytest.mark.parametrize("marks", ["not slow", pytest.param("slow", marks=pytest.mark.slow)])
 def test_the_multidevice_suite_on_8_cpu_devices(marks):
     """The file again on 8 devices: its fast tests with the test command, its slow-marked
-    ones with the slow set."""
+    ones with the slow set; only those MPJAX_MULTIDEVICE_SELECT names (a ``-k`` expression),
+    where it is set (CI's JAX in between runs the shard_map tests alone)."""
     env = dict(
         os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={N}", JAX_PLATFORMS="cpu"
     )
+    select = os.environ.get("MPJAX_MULTIDEVICE_SELECT")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, __file__,
+         *(["-k", select] if select else [])],
         env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
