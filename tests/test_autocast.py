@@ -469,7 +469,7 @@ def test_every_primitive_of_this_jax_has_a_record_in_the_one_table():
     missing = sorted(found - set(ops.PRIMITIVES))
     assert not missing, f"primitives without a record in ops.PRIMITIVES: {missing}"
     # The interpreter runs the body of exactly the primitives recorded as higher order.
-    assert set(interpret.INLINE_CALLS) | set(interpret.BODY_PARAMS) == ops.HIGHER_ORDER_OPS
+    assert {n for layout in interpret.LAYOUTS for n in layout.names} == ops.HIGHER_ORDER_OPS
 
 
 def test_every_list_of_primitives_is_derived_from_the_table():

@@ -81,7 +81,7 @@ def test_layouts_split_operands_as_the_bodies_take_them():
 
 
 def test_every_body_holding_primitive_autocast_rebuilds_has_a_rule():
-    for name in [*interpret.INLINE_CALLS, *interpret.BODY_PARAMS]:
+    for name in [n for layout in interpret.LAYOUTS for n in layout.names]:
         assert autocast.RULES.own(name) is not None, name
 
 

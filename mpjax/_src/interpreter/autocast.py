@@ -217,7 +217,7 @@ _CannotRebuild = jc.CannotRebuild
 
 def _rebuild_param(
     ctx: Context,
-    value: jc.Value,
+    value: Any,
     mode: Mode,
     body_facts: BodyFacts,
     context: Any,
@@ -340,7 +340,7 @@ def _rule_wrapper(ctx: Context, mode: Mode, held: list[int]) -> Callable[[Any], 
             # filter_custom_jvp/vjp, diffrax's adjoints) pass through as static values, in and
             # out; only arrays are traced and evaluated under the policy.
             dynamic = dynamic_leaves(args)
-            passed: list[jc.Value] = []
+            passed: list[Any] = []  # arrays, and symbolic zeros passed through
 
             def flat(*arrays: jc.Value) -> Any:
                 outs = list(rule.call_wrapped(*fill_dynamic(args, dynamic, arrays)))
@@ -395,6 +395,8 @@ def _bind_with_operands(
     into bodies this way: one row per iteration, so that scan's transpose stacks their
     cotangents, not sums. The rule of `eqn`'s primitive in _WITH_OPERANDS binds it."""
     consts, xs, enter = extra
+    if xs and not interpret.SCAN.of(eqn):
+        raise ValueError("only a scan takes extra scanned operands")
     args = to_traced(invals, [v.aval for v in eqn.invars])
     evaluator = functools.partial(
         _body_evaluator, ctx, mode=mode, body_facts=body_facts, traceback=tb
@@ -426,8 +428,6 @@ def _cond_with_operands(
     enter: Enter,
 ) -> list[jc.Value]:
     """Each branch takes the operands (not the index), then `consts`."""
-    if xs:
-        raise ValueError("only a scan takes extra scanned operands")
     n = len(eqn.invars)
     const_avals = [jc.aval_of(c) for c in consts]
     rebuilt = []
@@ -479,8 +479,6 @@ def _remat_with_operands(
     enter: Enter,
 ) -> list[jc.Value]:
     """`consts` follow the remat's operands."""
-    if xs:
-        raise ValueError("only a scan takes extra scanned operands")
     n = len(eqn.invars)
     closed = jc.ClosedJaxpr(interpret.REMAT.body(eqn), [])
     rebuilt = _with_operands(eqn, closed, n, evaluator, consts, [], enter)

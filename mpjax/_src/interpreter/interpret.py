@@ -26,8 +26,8 @@ R = TypeVar("R", bound=Callable[..., Any])  # a rule
 # JAX releases, the params that hold its bodies, and (beside it) how its operands split into
 # what each body takes. The interpreters register one rule per primitive by its layout
 # (``@RULES.register(*interpret.SCAN.names)``) and read its bodies through it, so no walker
-# names a higher-order primitive by string. Adding one: a Layout here (and a line in
-# ops._HIGHER_ORDER's table through BODY_PARAMS), then a rule in each interpreter that should
+# names a higher-order primitive by string. Adding one: a Layout here, in LAYOUTS (the op
+# table records its names as higher order), then a rule in each interpreter that should
 # enter it; the others run it as an unknown higher-order primitive.
 
 
@@ -79,17 +79,8 @@ COND = Layout({"cond": ("branches",)})
 _BODIES = (CUSTOM_JVP, CUSTOM_VJP, REMAT, SCAN, WHILE, COND, SHARD_MAP)
 LAYOUTS = (CALL, *_BODIES)
 
-INLINE_CALLS: Mapping[str, str] = {name: key for name, (key,) in CALL.params.items()}
-CUSTOM_CALLS: Mapping[str, str] = {
-    name: key for layout in (CUSTOM_JVP, CUSTOM_VJP) for name, (key,) in layout.params.items()
-}
-REMATS: Mapping[str, str] = {name: key for name, (key,) in REMAT.params.items()}
-CALLS: Mapping[str, str] = {**INLINE_CALLS, **CUSTOM_CALLS, **REMATS}
-# Every primitive whose bodies autocast rebuilds (besides inlined calls), by the params that
-# hold them.
-BODY_PARAMS: Mapping[str, tuple[str, ...]] = {
-    name: keys for layout in _BODIES for name, keys in layout.params.items()
-}
+# The calls: each body takes the operands and gives the results one to one.
+CALLS = (CALL, CUSTOM_JVP, CUSTOM_VJP, REMAT)
 # The param of a scatter that holds its combiner (add, mul, min or max of two scalars): a
 # jaxpr, but no body; a scatter is a first-order op.
 COMBINER_PARAM = "update_jaxpr"
@@ -105,7 +96,7 @@ def is_custom_call(eqn: jc.JaxprEqn) -> bool:
     return CUSTOM_JVP.of(eqn) or CUSTOM_VJP.of(eqn)
 
 
-def is_jaxpr(x: jc.Value) -> bool:
+def is_jaxpr(x: object) -> bool:
     return isinstance(x, (jc.Jaxpr, jc.ClosedJaxpr))
 
 
@@ -116,10 +107,10 @@ def open_jaxpr(j: jc.Jaxpr | jc.ClosedJaxpr) -> tuple[jc.Jaxpr, list[jc.Value]]:
     return j, []
 
 
-def call_body(eqn: jc.JaxprEqn, table: Mapping[str, str] = CALLS) -> Any:
-    """The body of a call in `table` (see CALLS), or None for any other equation."""
-    key = table.get(eqn.primitive.name)
-    return None if key is None else eqn.params[key]
+def call_body(eqn: jc.JaxprEqn) -> Any:
+    """The body of a call (a layout in CALLS), or None for any other equation."""
+    layout = next((layout for layout in CALLS if layout.of(eqn)), None)
+    return None if layout is None else layout.body(eqn)
 
 
 def bodies(eqn: jc.JaxprEqn) -> list[jc.Jaxpr | jc.ClosedJaxpr]:

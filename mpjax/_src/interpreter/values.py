@@ -441,12 +441,12 @@ def params_at(eqn: jc.JaxprEqn, target: Any) -> dict[str, Any]:
 # -- a call's arguments: arrays (traced) and the rest (static) -------------------------------
 
 
-def is_value(x: jc.Value) -> bool:
+def is_value(x: object) -> bool:
     """Whether a rule's output is a value to trace (not a symbolic zero or None)."""
     return is_dynamic(x) or isinstance(x, (int, float, complex))
 
 
-def is_dynamic(x: jc.Value) -> bool:
+def is_dynamic(x: object) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 

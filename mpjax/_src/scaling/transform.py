@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from mpjax._src.dtypes import is_half, is_inexact
-from mpjax._src.optim.half_params import arrays_of
+from mpjax._src.optim.half_params import arrays_of, check_inner
 from mpjax._src.scaling import loss_scale as ls_lib
 
 
@@ -101,25 +101,12 @@ class LossScaleState(NamedTuple):
 def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs | None:
     if inner is None:
         return None
-    if isinstance(inner, optax.GradientTransformation):
-        return optax.with_extra_args_support(inner)
-    if isinstance(inner, optax.MultiSteps):
-        return optax.with_extra_args_support(inner.gradient_transformation())
     if isinstance(inner, (int, float)) or isinstance(inner, ls_lib.LOSS_SCALE_TYPES):
         raise TypeError(
             f"loss_scale(inner) takes an optax GradientTransformation, got {inner!r}. To set "
             "the scale, pass it by keyword: mpjax.loss_scale(scale=mpjax.StaticLossScale(1024.0))."
         )
-    if callable(inner):
-        name = getattr(inner, "__name__", repr(inner))
-        raise TypeError(
-            f"loss_scale(inner) takes an optax GradientTransformation, got the function {name}; "
-            f"call it first, e.g. mpjax.loss_scale(optax.{name}(1e-3))."
-        )
-    raise TypeError(
-        f"loss_scale(inner) takes an optax GradientTransformation (e.g. optax.adam(1e-3)), "
-        f"got {type(inner).__name__}."
-    )
+    return check_inner(inner, "loss_scale")
 
 
 def _check_has_floats(tree: Any, what: str) -> None:

@@ -301,7 +301,7 @@ class _PairEnv(interpret.Env[Pair]):
 # The shadow's rules: calls are entered, loops run iteration by iteration, a cond runs the
 # branch each track takes; any other equation runs on both tracks (Shadow._primitive).
 _SHADOW = interpret.Registry(default=Shadow._primitive)
-_SHADOW.register(*interpret.CALLS)(Shadow._call)
+_SHADOW.register(*(name for call in interpret.CALLS for name in call.names))(Shadow._call)
 _SHADOW.register(*interpret.SCAN.names)(Shadow._scan)
 _SHADOW.register(*interpret.WHILE.names)(Shadow._while)
 _SHADOW.register(*interpret.COND.names)(Shadow._cond)
