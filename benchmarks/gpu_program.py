@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     results = []
-    for kind in args.model or ["transformer", "encdec", "resnet", "lstm"]:
+    for kind in args.model or list(memory.MEASURED):
         result = measure(kind, args.size, args.target)
         result["targets"] = targets(result)
         results.append(result)

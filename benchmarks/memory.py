@@ -58,14 +58,22 @@ from mpjax._src import jax_compat  # noqa: E402
 MB = 1e6
 MIB = 2**20
 
-# transformer, encdec: (width, depth, heads, seq, batch); resnet: (widths, batch, side); lstm:
-# (width, seq, batch)
+# transformer, encdec: (width, depth, heads, seq, batch); resnet, cnn: (widths, batch, side);
+# lstm: (width, seq, batch); gpt: (vocab, width, depth, heads, seq, batch)
 SIZES = {
     "transformer": {"tiny": (32, 2, 2, 16, 4), "small": (256, 8, 4, 128, 16)},
     "encdec": {"tiny": (32, 1, 2, 16, 4), "small": (256, 4, 4, 64, 16)},
     "resnet": {"tiny": ((8, 16), 4, 8), "small": ((32, 64, 128), 32, 32)},
     "lstm": {"tiny": (32, 16, 4), "small": (256, 64, 32)},
-}
+    # The GPU-cost issue's models, which no benchmark tunes for: a GPT-style LM with a large
+    # vocabulary (d_model 4096 on a GPU, d_model 1024 on a TPU) and a CNN with BatchNorm in
+    # training mode (100 classes, 64x64 images).
+    "gpt": {"tiny": (512, 32, 1, 2, 16, 4), "tpu": (4096, 1024, 4, 16, 512, 8),
+            "large": (32768, 4096, 2, 32, 2048, 2)},
+    "cnn": {"tiny": ((8, 16), 4, 8), "small": ((64, 128, 256), 64, 64)},
+}  # fmt: skip
+# The models "--model all" measures (the cost issue's two run in the GPU and TPU programs).
+MEASURED = ("transformer", "encdec", "resnet", "lstm")
 
 
 # -- the three counts ---------------------------------------------------------------------------
@@ -182,10 +190,16 @@ VOCAB, TAGS = 1024, 32
 def build(kind: str, size: str) -> tuple[Any, Any, Any]:
     """(float32 Flax module with a ``dtype`` field, inputs, integer labels) for one model."""
     key_x, key_y = jax.random.key(1), jax.random.key(2)
-    if kind == "resnet":
+    if kind in ("resnet", "cnn"):
         widths, batch, side = SIZES[kind][size]
         x = jax.random.normal(key_x, (batch, side, side, 3))
+        if kind == "cnn":
+            return models.BNCNN(widths), x, jax.random.randint(key_y, (batch,), 0, 100)
         return models.ResNet(widths), x, jax.random.randint(key_y, (batch,), 0, 10)
+    if kind == "gpt":
+        vocab, width, depth, heads, seq, batch = SIZES[kind][size]
+        tokens = jax.random.randint(key_x, (batch, seq), 0, vocab)
+        return models.TransformerLM(vocab, width, depth, heads), tokens, jnp.roll(tokens, -1, 1)
     if kind == "lstm":
         width, seq, batch = SIZES[kind][size]
         tokens = jax.random.randint(key_x, (batch, seq), 0, VOCAB)
@@ -461,7 +475,9 @@ def _config(result: dict[str, Any]) -> str:
     spec = SIZES[result["model"]][result["size"]]
     names = {
         "resnet": ("widths", "batch", "side"),
+        "cnn": ("widths", "batch", "side"),
         "lstm": ("width", "seq", "batch"),
+        "gpt": ("vocab", "d_model", "layers", "heads", "seq", "batch"),
     }.get(result["model"], ("d_model", "layers", "heads", "seq", "batch"))
     return ", ".join(f"{n} {v}" for n, v in zip(names, spec))
 
@@ -473,7 +489,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=20, help="paired timing rounds (0: none)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    kinds = list(SIZES) if args.model == "all" else [args.model]
+    kinds = list(MEASURED) if args.model == "all" else [args.model]
     results = [measure(kind, args.size, args.rounds) for kind in kinds]
     for r in results:
         r["targets"] = targets(r)

@@ -57,6 +57,27 @@ class ResNet(nn.Module):
         return nn.Dense(10, dtype=self.dtype)(x.mean(axis=(1, 2)))
 
 
+class BNCNN(nn.Module):
+    """A plain CNN with BatchNorm in training mode, tuned for no benchmark: stages of two
+    bias-free 3x3 convolutions, each followed by BatchNorm and ReLU, a global mean pool and a
+    Dense head."""
+
+    widths: tuple[int, ...]
+    classes: int = 100
+    dtype: Any = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        for w in self.widths:
+            for _ in range(2):
+                x = nn.Conv(w, (3, 3), use_bias=False, dtype=self.dtype)(x)
+                x = nn.BatchNorm(use_running_average=not train, dtype=self.dtype)(x)
+                x = nn.relu(x)
+        return nn.Dense(self.classes, dtype=self.dtype)(x.mean(axis=(1, 2)))
+
+
 class Block(nn.Module):
     """A pre-norm Transformer block: self-attention, optional cross-attention, an MLP."""
 

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from mpjax._src import jax_compat as jc
@@ -494,12 +495,12 @@ def _softmax_region(
     stacks: list[Any],
     soft: _Softmax,
 ) -> Callable[..., list[jc.Value]]:
-    """`f`, a softmax region (see _softmax), differentiated from its half output, as the
-    hand-written half softmax is (jax.nn.softmax's own rule), instead of recomputing the
-    float32 island: ``dy = y * (dz - sum(dz * y))`` in float32, with ``dz`` the tangent of `z`
-    through the affine ops from the inputs (a cast up, a mask). A ``custom_jvp``, so forward
-    mode works too; its tangent is linear, so JAX transposes it for reverse mode, keeping only
-    the half output (see _softmax_tangent)."""
+    """`f`, a softmax region (see _softmax), differentiated by the softmax's own rule, as the
+    hand-written half softmax is (jax.nn.softmax's), instead of through the float32 island's
+    ops: ``dy = y * (dz - sum(dz * y))`` in float32, with ``dz`` the tangent of `z` through
+    the affine ops from the inputs (a cast up, a mask). A ``custom_jvp``, so forward mode
+    works too; its tangent is linear, so JAX transposes it for reverse mode, keeping the half
+    scores and no float32 value (see _softmax_tangent)."""
     z, axes, diff, prefix = soft
     stack_of = {id(e): st for e, st in zip(run, stacks, strict=True)}
     reads = _reads(prefix, z)
@@ -522,8 +523,8 @@ def _softmax_region(
         primals: list[jc.Value], tangents: list[jc.Value]
     ) -> tuple[list[jc.Value], list[jc.Value]]:
         out = f(*primals)
-        kept_vals = [primals[i] for i in kept]
-        dy = _softmax_tangent(lambda t: to_z(t, kept_vals), out[0], [tangents[i] for i in at], axes)
+        scores = ([primals[i] for i in at], [primals[i] for i in kept])
+        dy = _softmax_tangent(to_z, scores, out[0], [tangents[i] for i in at], axes)
         return out, [dy]
 
     region.defjvp(region_jvp)
@@ -531,23 +532,63 @@ def _softmax_region(
 
 
 def _softmax_tangent(
-    to_z: Callable[..., jc.Value], y_half: jc.Value, d_in: list[jc.Value], axes: tuple[int, ...]
+    to_z: Callable[[Sequence[jc.Value], Sequence[jc.Value]], jc.Value],
+    scores: tuple[list[jc.Value], list[jc.Value]],
+    y_half: jc.Value,
+    d_in: list[jc.Value],
+    axes: tuple[int, ...],
 ) -> jc.Value:
-    """The tangent of a softmax's half output `y_half` for the tangents `d_in` of its inputs:
-    ``y * (dz - sum(dz * y, axes))`` in float32, cast to `y_half`'s dtype, where ``dz`` is the
-    scores' tangent through `to_z` (affine: its tangent is taken at zeros). Linear in `d_in`.
-    The float32 ``y`` and the zeros are made again inside a remat, so that reverse mode keeps
-    the half output (which the next gemm keeps anyway) and no float32 copy or zeros."""
+    """The tangent of a softmax region's half output `y_half` for the tangents `d_in` of its
+    inputs: ``y * (dz - sum(dz * y, axes))`` in float32, cast to `y_half`'s dtype, where
+    ``dz`` is the scores' tangent through `to_z` (affine: taken at zeros) and ``y`` the
+    softmax in float32. Linear in `d_in`, and inside a remat: reverse mode keeps half values
+    only, the half output (which the next gemm keeps anyway) or the half scores (`scores`:
+    the region's inputs `to_z` reads).
 
-    def tangent(y_half: jc.Value, d_in: list[jc.Value]) -> jc.Value:
+    Where ``y`` comes from is the target's choice, made when the program is lowered, as the
+    hand-written half softmax's backward pass is fused on each:
+
+    - a GPU (CUDA, ROCm) makes ``y`` again from the half scores, in the kernel that
+      differentiates it: XLA fuses a softmax's backward pass into one Triton kernel only
+      where it recomputes the softmax (``y * (g - sum(g * y))`` from a kept ``y`` is a
+      reduction and a second pass on sm_90 and sm_100 alike). The row maximum is written
+      ``-min(-z)``: XLA would merge the forward's own ``max(z)`` with it, and the backward
+      pass then reads the forward's float32 ``exp``, which sm_100's softmax fusions write out
+      whole (4.9x the hand-written step's temp memory). A barrier to keep them apart costs a
+      pass: on the scores it writes their masked copy, on the maximum it adds a reduction.
+    - any other target (a TPU, the CPU) takes ``y`` from the half output: a TPU writes out
+      what it cannot fuse, and recomputing moves 1.4x the hand-written step's bytes there.
+    """
+
+    def from_scores(
+        y_half: jc.Value, diff: Sequence[jc.Value], kept: Sequence[jc.Value]
+    ) -> jc.Value:
+        z = to_z(diff, kept).astype(np.float32)
+        e = jnp.exp(z + jnp.min(-z, axis=axes, keepdims=True))
+        y: jc.Value = e / jnp.sum(e, axis=axes, keepdims=True)
+        return y
+
+    def from_output(
+        y_half: jc.Value, diff: Sequence[jc.Value], kept: Sequence[jc.Value]
+    ) -> jc.Value:
+        return y_half.astype(np.float32)
+
+    def tangent(
+        y_half: jc.Value, diff: Sequence[jc.Value], kept: Sequence[jc.Value], d_in: list[jc.Value]
+    ) -> jc.Value:
         zeros = [jnp.zeros_like(d) for d in d_in]
-        _, dz = jax.jvp(lambda *d: to_z(d), tuple(zeros), tuple(d_in))
-        y = y_half.astype(np.float32)
+        _, dz = jax.jvp(lambda *d: to_z(d, kept), tuple(zeros), tuple(d_in))
+        y: jc.Value = lax.platform_dependent(
+            y_half, diff, kept, cuda=from_scores, rocm=from_scores, default=from_output
+        )
         t: jc.Value = dz.astype(np.float32)
         return (y * (t - jnp.sum(t * y, axis=axes, keepdims=True))).astype(y_half.dtype)
 
     nothing = jax.checkpoint_policies.nothing_saveable
-    out: jc.Value = jax.checkpoint(tangent, policy=nothing, prevent_cse=False)(y_half, d_in)
+    diff, kept = scores
+    out: jc.Value = jax.checkpoint(tangent, policy=nothing, prevent_cse=False)(
+        y_half, diff, kept, d_in
+    )
     return out
 
 
