@@ -214,9 +214,10 @@ def test_audit_of_the_h100_program_on_a_machine_without_a_gpu():
 
 @pytest.mark.slow
 @needs_plugin
+@pytest.mark.parametrize("target", ["h100", "b200"])
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])
 @pytest.mark.parametrize("model", ["transformer", "resnet"])
-def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
+def test_gpu_program_of_an_o2_step_against_the_hand_written_one(model, half, target):
     """The GPU-cost targets, counted in the H100 program of the benchmark's steps
     (benchmarks/gpu_program.py, tiny size): O2 with plain Adam moves no more bytes than the
     better hand-written half step (.astype or dtype=), but for its lookups' float32 gradient
@@ -242,7 +243,7 @@ def test_h100_program_of_an_o2_step_against_the_hand_written_one(model, half):
         f"mpjax O2 {half} + loss_scale",
         f"hand-written {half} (dtype=) + DynamicScale",
     )
-    rows = {name: bench.count(*bench.abstract_step(module, chosen[name], x, y)) for name in names}
+    rows = {n: bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names}
     hand = min((rows[n] for n in names[:2]), key=lambda r: r["bytes_moved"])
     o2, scaled, flax_scaled = rows[names[2]], rows[names[3]], rows[names[4]]
     # Loss scaling's finite check and exact skip: at most one read of the gradients more
@@ -523,3 +524,28 @@ def test_o2_costs_what_the_hand_written_step_costs_in_each_gpus_program(target):
     assert o2["temp_bytes"] <= 1.05 * hand["temp_bytes"], (o2["temp_bytes"], hand["temp_bytes"])
     softmax = lambda r: r["by_kind"]["softmax"]["bytes"]
     assert softmax(o2) <= softmax(hand), (softmax(o2), softmax(hand))
+
+
+@pytest.mark.slow
+@needs_plugin
+@pytest.mark.parametrize("target", ["h100", "b200"])
+def test_a_batchnorm_cnn_no_benchmark_tunes_for_in_each_gpus_program(target):
+    """The GPU-cost issue's CNN (three stages of 64, 128 and 256 channels, each two bias-free
+    3x3 convolutions with BatchNorm in training mode and ReLU; 64 images of 64x64, Adam) in
+    the H100 and B200 programs: O2 bfloat16 runs the hand-written ``dtype=`` step's
+    convolutions in bfloat16 within 1.05x its temp memory (1.00x on both), and on the H100
+    at or below 1.01x its modeled time (0.98x). On the B200 it takes 1.025x: sm_100's fusion
+    pass groups the three reductions of a BatchNorm's backward pass differently around the
+    ReLU's select (128 MiB more for a 256-channel layer), which no op mpjax adds accounts
+    for; bounded here at 1.03x so that it does not grow."""
+    bench, memory = _bench()
+    module, x, y = memory.build("cnn", "small")
+    chosen = dict(bench.variants())
+    names = ("hand-written bfloat16 (dtype=)", "mpjax O2 bfloat16")
+    hand, o2 = (bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names)
+    assert o2["gemm_dtypes"] == hand["gemm_dtypes"]
+    assert o2["by_kind"]["conv"] == hand["by_kind"]["conv"]
+    assert o2["temp_bytes"] <= 1.05 * hand["temp_bytes"], (o2["temp_bytes"], hand["temp_bytes"])
+    limit = {"h100": 1.01, "b200": 1.03}[target]
+    ratio = o2["modeled_seconds"] / hand["modeled_seconds"]
+    assert ratio <= limit, ratio
