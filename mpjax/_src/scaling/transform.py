@@ -245,6 +245,7 @@ def loss_scale(
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaleState]:
         _check_update_args(updates, state, params)
+        updates = _apart_from_their_reductions(updates)
         # Unscale with the scale that produced these gradients, then adjust (jmp users often
         # adjust first and unscale with the new scale, which is off by the factor).
         grads = ls_lib.divide_by_scale(state.loss_scale, updates)
@@ -278,6 +279,25 @@ def _check_update_args(updates: Any, state: Any, params: Any) -> None:
     _check_has_floats(updates, "the gradient tree")
     if params is not None:
         _check_like_params(updates, params)
+
+
+def _apart_from_their_reductions(updates: Any) -> Any:
+    """`updates` with its vector leaves (biases, norm scales and offsets) behind one
+    optimization barrier. XLA makes those gradients in the backward pass's reduction kernels,
+    grouping the reductions of a layer by their consumers; the finite check is one more
+    consumer, and it regrouped a BatchNorm's (a CNN's O2 step moved 50 reads of the
+    gradients more than plain Adam on the H100 program, 15 on the B200's). Behind the
+    barrier the backward pass compiles as it does without loss scaling (0.5 reads), at the
+    cost of a barrier on leaves written anyway. Matrices come from gemm and convolution
+    calls, whose grouping no consumer changes."""
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    at = [i for i, x in enumerate(leaves) if is_inexact(x) and jnp.ndim(x) <= 1]
+    if not at:
+        return updates
+    apart = jax.lax.optimization_barrier([leaves[i] for i in at])
+    for i, x in zip(at, apart, strict=True):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _inner_step(
