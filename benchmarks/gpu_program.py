@@ -76,6 +76,14 @@ def variants(target: str = "h100") -> list[tuple[str, memory.Variant]]:
     return out
 
 
+def cost_variants(target: str = "h100") -> list[tuple[str, memory.Variant]]:
+    """(name, variant): the GPU-cost issue's three steps per half: the hand-written ``dtype=``
+    step, O2 and O2 with loss_scale(adam) (``--variants cost``)."""
+    names = ("hand-written {} (dtype=)", "mpjax O2 {}", "mpjax O2 {} + loss_scale")
+    every = dict(variants(target))
+    return [(n.format(h), every[n.format(h)]) for h in halves(target) for n in names]
+
+
 def abstract_step(module: Any, variant: memory.Variant, x: Any, y: Any) -> tuple[Any, Any]:
     """(jitted step, its arguments as shape structs): built under ``jax.eval_shape``, so no
     parameter of a GPU-size model is ever made on this machine."""
@@ -101,10 +109,10 @@ def count(step: Any, args: Any, target: str = "h100") -> dict[str, Any]:
     return row
 
 
-def measure(kind: str, size: str, target: str = "h100") -> dict[str, Any]:
+def measure(kind: str, size: str, target: str = "h100", which: str = "all") -> dict[str, Any]:
     module, x, y = memory.build(kind, size)
     rows = {}
-    for name, variant in variants(target):
+    for name, variant in (cost_variants if which == "cost" else variants)(target):
         step, args = abstract_step(module, variant, x, y)
         rows[name] = count(step, args, target)
         print(
@@ -113,6 +121,27 @@ def measure(kind: str, size: str, target: str = "h100") -> dict[str, Any]:
             file=sys.stderr,
         )
     return {"model": kind, "size": size, "target": target, "rows": rows}
+
+
+def cost_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The GPU-cost issue's targets for ``--variants cost``: O2 against the ``dtype=`` step,
+    modeled time <= 1.01x, temp <= 1.05x (bytes <= 1.01x on a TPU), and loss scaling at most
+    1.05 reads of the float32 gradients more than plain Adam."""
+    rows, out = result["rows"], []
+    tpu = result.get("target", "h100").lower().startswith("tpu")
+    for h in halves(result.get("target", "h100")):
+        base, o2 = rows[f"hand-written {h} (dtype=)"], rows[f"mpjax O2 {h}"]
+        scaled = rows[f"mpjax O2 {h} + loss_scale"]
+        ratio = o2["modeled_seconds"] / base["modeled_seconds"]
+        out.append(_target(f"O2 {h} modeled time <= 1.01x dtype=", ratio, 1.01))
+        ratio = o2["temp_bytes"] / max(base["temp_bytes"], 1)
+        out.append(_target(f"O2 {h} temp <= 1.05x dtype=", ratio, 1.05))
+        limit = 1.01 if tpu else float("inf")
+        ratio = o2["bytes_moved"] / base["bytes_moved"]
+        out.append(_target(f"O2 {h} bytes <= {limit}x dtype=", ratio, limit))
+        extra = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
+        out.append(_target(f"loss_scale {h}: extra bytes <= 1.05 reads", extra, 1.05))
+    return out
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -189,12 +218,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--model", choices=sorted(memory.SIZES), action="append")
     parser.add_argument("--size", default="small")
     parser.add_argument("--target", default="h100", help="h100, h200, b200, tpu-v5e, ...")
+    parser.add_argument(
+        "--variants", choices=["all", "cost"], default="all",
+        help="cost: the hand-written dtype= step, O2 and O2 + loss_scale only",
+    )  # fmt: skip
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     results = []
     for kind in args.model or list(memory.MEASURED):
-        result = measure(kind, args.size, args.target)
-        result["targets"] = targets(result)
+        result = measure(kind, args.size, args.target, args.variants)
+        result["targets"] = (cost_targets if args.variants == "cost" else targets)(result)
         results.append(result)
         print(markdown(result) + "\n", flush=True)
     print(f"jax {jax.__version__}; {gpu_program.__name__} on {jax.default_backend()}")
