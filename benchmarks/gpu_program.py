@@ -8,6 +8,8 @@ HLO: kernels by kind, bytes they move, gemm dtypes and compiled temp memory.
     python benchmarks/gpu_program.py --json out.json
     pip install "jax[tpu]==$JAX"                                  # libtpu, for TPU targets
     python benchmarks/gpu_program.py --target tpu-v5e           # a TPU's program (bfloat16)
+    python benchmarks/gpu_program.py --model gpt --size large --target b200   # the cost issue's LM
+    python benchmarks/gpu_program.py --variants cost --model cnn --target tpu-v6e  # 4 steps only
 
 Steps (the memory benchmark's, ``memory.py``): the hand-written half steps a Flax user
 writes (``.astype`` and ``dtype=``), mpjax O1 and O2 through ``mpjax.flax.wrap``, each with
