@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--target", default="h100", help="h100, h200, b200, tpu-v5e, ...")
     parser.add_argument(
         "--variants", choices=["all", "cost"], default="all",
-        help="cost: the hand-written dtype= step, O2 and O2 + loss_scale only",
+        help="cost: the hand-written dtype= step, O2, O2 + loss_scale, O2 + apply_if_finite",
     )  # fmt: skip
     parser.add_argument("--json")
     args = parser.parse_args(argv)

@@ -213,6 +213,15 @@ def build(kind: str, size: str) -> tuple[Any, Any, Any]:
     return models.EncoderDecoder(VOCAB, width, depth, heads), pairs, pairs[:, 1]
 
 
+def lookup_elements(module: Any, x: Any) -> int:
+    """How many elements `module`'s embedding tables hold: mpjax sums a lookup's gradient in
+    float32 where the hand-written step sums it in half, 8 bytes per element as the programs
+    count it (float32 zeros, the scatter's operand and result, the update's read)."""
+    params = jax.eval_shape(module.init, jax.random.key(0), x)
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    return sum(a.size for path, a in leaves if "embedding" in jax.tree_util.keystr(path))
+
+
 def half_tree(tree: Any, dtype: Any) -> Any:
     """`tree` with its float leaves cast with ``.astype(dtype)``, as a hand-written step does."""
     return jax.tree.map(

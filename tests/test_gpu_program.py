@@ -212,13 +212,34 @@ def test_audit_of_the_h100_program_on_a_machine_without_a_gpu():
     assert again.bytes_moved == f32.bytes_moved
 
 
+def _bench():
+    """benchmarks/gpu_program.py and memory.py (the steps it counts), imported."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_program as bench
+    import memory
+
+    return bench, memory
+
+
+def _hand_written_and_o2(kind, size, target):
+    """The rows (benchmarks/gpu_program.py's count) of the hand-written ``dtype=`` bfloat16
+    step and the O2 bfloat16 step of a benchmark model in `target`'s program."""
+    bench, memory = _bench()
+    module, x, y = memory.build(kind, size)
+    chosen = dict(bench.variants(target))
+    names = ("hand-written bfloat16 (dtype=)", "mpjax O2 bfloat16")
+    return [bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names]
+
+
 @pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("target", ["h100", "b200"])
 @pytest.mark.parametrize("half", ["bfloat16", "float16"])
 @pytest.mark.parametrize("model", ["transformer", "resnet"])
 def test_gpu_program_of_an_o2_step_against_the_hand_written_one(model, half, target):
-    """The GPU-cost targets, counted in the H100 program of the benchmark's steps
+    """The GPU-cost targets, counted in the H100 and B200 programs of the benchmark's steps
     (benchmarks/gpu_program.py, tiny size): O2 with plain Adam moves no more bytes than the
     better hand-written half step (.astype or dtype=), but for its lookups' float32 gradient
     sums, and launches no more kernels (within a
@@ -228,14 +249,9 @@ def test_gpu_program_of_an_o2_step_against_the_hand_written_one(model, half, tar
     differentiated from their half output and norm islands recomputed without a barrier, the
     Transformer took 3 reductions per layer more (its float32 softmax's) and the ResNet moved
     1.15x the bytes (float32 BatchNorm cotangents)."""
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    import gpu_program as bench
-    import memory
-
+    bench, memory = _bench()
     module, x, y = memory.build(model, "tiny")
-    chosen = dict(bench.variants())
+    chosen = dict(bench.variants(target))
     names = (
         f"hand-written {half} (.astype)",
         f"hand-written {half} (dtype=)",
@@ -257,9 +273,7 @@ def test_gpu_program_of_an_o2_step_against_the_hand_written_one(model, half, tar
     # rounding per row taken (test_a_row_looked_up_many_times_sums_its_gradient_in_float32):
     # 8 bytes per table element as counted (float32 zeros, the scatter's operand and result,
     # the update's float32 read), 3.9% of the tiny Transformer's bytes, 0.1% at small size.
-    params = jax.eval_shape(module.init, jax.random.key(0), x)
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    tables = sum(a.size for path, a in leaves if "embedding" in jax.tree_util.keystr(path))
+    tables = memory.lookup_elements(module, x)
     allowed = 1.001 * hand["bytes_moved"] + 8 * tables
     assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand, tables)
     assert o2["kernels"] <= 1.02 * hand["kernels"], (o2["kernels"], hand["kernels"])
@@ -493,17 +507,6 @@ def test_convolution_flops_are_counted_for_the_roofline():
     assert program.target == "h200"
 
 
-def _bench():
-    """benchmarks/gpu_program.py and memory.py (the steps it counts), imported."""
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    import gpu_program as bench
-    import memory
-
-    return bench, memory
-
-
 @pytest.mark.slow
 @needs_plugin
 @pytest.mark.parametrize("target", ["h100", "b200"])
@@ -515,11 +518,7 @@ def test_o2_costs_what_the_hand_written_step_costs_in_each_gpus_program(target):
     B200's was 1.051x time and 4.88x temp (2,344 against 480 MiB) when a softmax island's
     backward pass read its float32 values: sm_100's Triton softmax fusions then wrote the
     float32 exp whole (1 GiB a layer) and read it back twice."""
-    bench, memory = _bench()
-    module, x, y = memory.build("gpt", "large")
-    chosen = dict(bench.variants())
-    names = ("hand-written bfloat16 (dtype=)", "mpjax O2 bfloat16")
-    hand, o2 = (bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names)
+    hand, o2 = _hand_written_and_o2("gpt", "large", target)
     assert o2["modeled_seconds"] <= 1.01 * hand["modeled_seconds"], (o2, hand)
     assert o2["temp_bytes"] <= 1.05 * hand["temp_bytes"], (o2["temp_bytes"], hand["temp_bytes"])
     softmax = lambda r: r["by_kind"]["softmax"]["bytes"]
@@ -538,11 +537,7 @@ def test_a_batchnorm_cnn_no_benchmark_tunes_for_in_each_gpus_program(target):
     pass groups the three reductions of a BatchNorm's backward pass differently around the
     ReLU's select (128 MiB more for a 256-channel layer), which no op mpjax adds accounts
     for; bounded here at 1.03x so that it does not grow."""
-    bench, memory = _bench()
-    module, x, y = memory.build("cnn", "small")
-    chosen = dict(bench.variants())
-    names = ("hand-written bfloat16 (dtype=)", "mpjax O2 bfloat16")
-    hand, o2 = (bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names)
+    hand, o2 = _hand_written_and_o2("cnn", "small", target)
     assert o2["gemm_dtypes"] == hand["gemm_dtypes"]
     assert o2["by_kind"]["conv"] == hand["by_kind"]["conv"]
     assert o2["temp_bytes"] <= 1.05 * hand["temp_bytes"], (o2["temp_bytes"], hand["temp_bytes"])

@@ -212,9 +212,7 @@ def test_o2_and_loss_scaling_cost_on_a_tpu_what_they_cost_on_a_gpu(model, target
     )
     rows = {n: bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names}
     hand, o2, scaled = (rows[n] for n in names)
-    params = jax.eval_shape(module.init, jax.random.key(0), x)
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    tables = sum(a.size for path, a in leaves if "embedding" in jax.tree_util.keystr(path))
+    tables = memory.lookup_elements(module, x)
     allowed = hand["bytes_moved"] + 8 * tables
     assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand["bytes_moved"], tables)
     reads = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
