@@ -31,8 +31,8 @@ from flax.training import train_state
 from mpjax._src import hardware, levels
 from mpjax._src.float8 import fp8 as fp8_lib
 from mpjax._src.float8.fp8 import FP8Policy
-from mpjax._src.interpreter.autocast_api import autocast
-from mpjax._src.interpreter.regions import F32_REGION, region_key
+from mpjax._src.interpreter.autocast_api import autocast, kernels_in_half
+from mpjax._src.interpreter.regions import F32_REGION, marker_scope, region_key
 from mpjax._src.policy import Policy, cast_floating
 from mpjax._src.scaling import loss_scale as ls_lib
 from mpjax._src.scaling import transform
@@ -146,8 +146,8 @@ class _Resolver:
         outer = rule is not None and not levels.casts(rule)
         with contextlib.ExitStack() as stack:
             if outer:
-                stack.enter_context(jax.named_scope(f"mpjax:{F32_REGION}"))
-            stack.enter_context(jax.named_scope(f"mpjax:{marker}"))
+                stack.enter_context(marker_scope(F32_REGION))
+            stack.enter_context(marker_scope(marker))
             yield
 
     def path_marker(self, path: str) -> str | None:
@@ -238,7 +238,10 @@ class LinenWrapped:
           >>> v["params"]["scale"].dtype, v["batch_stats"]["mean"].dtype
           (dtype(bfloat16), dtype('float32'))
         """
-        with nn.intercept_methods(self._intercept):
+        # The float32 forward pass init runs calls fused kernels (cuDNN attention) in half,
+        # as the wrapped apply does: cuDNN refuses float32 operands.
+        kernels = kernels_in_half(self.policy, self._resolver.markers)
+        with nn.intercept_methods(self._intercept), kernels:
             variables = self.module.init(rngs, *args, method=method, **kwargs)
         self._check_rules(method)
         return _cast_variables(variables, self.policy)

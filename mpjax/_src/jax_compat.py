@@ -259,3 +259,28 @@ def saved_residuals(f: Callable[..., Any], *args: Any) -> list[tuple[Any, bool]]
 def summarize_source(source_info: Any) -> str:
     """'file:line (function)' of the user's frame that made an equation (JAX 0.6-0.10)."""
     return source_info_util.summarize(source_info)
+
+
+# -- fused kernels (mpjax/_src/interpreter/kernels.py) -----------------------------------------
+
+
+def nn_functions() -> Any:
+    """The module whose ``dot_product_attention`` is ``jax.nn.dot_product_attention``: it
+    looks up ``cudnn_dot_product_attention`` (cuDNN's fused attention, which refuses float32
+    operands when traced) by name at each call, in 0.6-0.10."""
+    from jax._src.nn import functions
+
+    return functions
+
+
+def traces_apart() -> contextlib.AbstractContextManager[Any]:
+    """A context in which JAX keys its trace caches (jit's, scan's) apart from outside it,
+    with no other effect: the HLO source-file regex is part of every cache key from 0.6 to
+    0.10, and a regex that matches nothing (or the user's own, with an alternative that never
+    matches) renames no file."""
+    from jax._src import config
+
+    state = config.hlo_source_file_canonicalization_regex
+    current = state.value
+    never = "(?!)mpjax-kernels"
+    return state(never if current is None else f"(?:{current})|{never}")

@@ -489,12 +489,13 @@ def warn_outside(model: str, pol: FP8Policy, stacklevel: int) -> None:
 
 
 def _run(fn: Callable[..., Any], pol: FP8Policy, sites: _Sites, args: tuple[Any, ...]) -> Any:
+    # Fused kernels (attention) run in the base policy's half.
+    ctx = autocast_lib.Context(pol.base, {}, rules=sites.rules())
     _TRACING[0] += 1
     try:
-        closed, out_tree, dyn = autocast_api.trace_call(fn, args, {})
+        closed, out_tree, dyn = autocast_api.trace_call(ctx, fn, args, {})
     finally:
         _TRACING[0] -= 1
-    ctx = autocast_lib.Context(pol.base, {}, rules=sites.rules())
     return jax.tree_util.tree_unflatten(out_tree, autocast_api.evaluate(ctx, closed, dyn))
 
 

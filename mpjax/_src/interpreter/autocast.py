@@ -22,7 +22,7 @@ import numpy as np
 
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.interpreter import first_order, interpret, ops
+from mpjax._src.interpreter import first_order, interpret, kernels, ops
 from mpjax._src.interpreter.autocast_uses import Uses, analyze, while_facts
 from mpjax._src.interpreter.first_order import (
     NOT_REBUILT,
@@ -49,7 +49,20 @@ from mpjax._src.policy import Policy
 
 
 class UntouchedWarning(UserWarning):
-    """A sub-program autocast meant to rebuild runs in its traced dtypes instead."""
+    """A sub-program autocast meant to run under the policy runs in its traced dtypes
+    instead: a body it could not rebuild, or a fused kernel (Pallas, cuDNN) that fails with
+    half operands. The audit lists each (``AuditReport.untouched``), with the reason;
+    ``autocast(..., strict=True)`` raises instead of warning.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp, mpjax
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", mpjax.UntouchedWarning)  # fail on any
+      ...     warnings.simplefilter("ignore", mpjax.HardwareWarning)
+      ...     y = mpjax.autocast(jnp.tanh, mpjax.Policy.from_level("O2"))(jnp.ones(2))
+      >>> y.dtype
+      dtype('float32')
+    """
 
 
 class Context:
@@ -152,6 +165,9 @@ def eval_jaxpr(
             tb = eqn.source_info.traceback  # see for_shadow: a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
+                kernel = _kernel_step(eqn, invals)
+                if kernel is not None:
+                    return kernel
                 rule: Rule = ctx.rules(eqn)
                 outvals, holds = rule(Step(ctx, eqn, env, uses, eqn_mode, tb), invals)
                 # A region's mode is a string ("f32": a norm under the Flax wrappers).
@@ -161,6 +177,18 @@ def eval_jaxpr(
 
     outs = interpret.forward(jaxpr, env, step)
     return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.handed(v) for v in jaxpr.outvars]
+
+
+def _kernel_step(eqn: jc.JaxprEqn, invals: list[jc.Value]) -> Results | None:
+    """A fused kernel's equation (see kernels.py): its half call as traced, the casts of its
+    results back to float32 passed on in half; None for any other equation."""
+    where = str(eqn.source_info.name_stack)
+    if kernels.RESULT in where:
+        return list(invals), [Hold.NONE] * len(eqn.outvars)
+    if kernels.KERNEL in where:
+        args = to_traced(invals, [v.aval for v in eqn.invars])
+        return results(eqn, jc.bind(eqn.primitive, args, eqn.params))
+    return None
 
 
 def _rebuild_closed(

@@ -16,17 +16,21 @@ import jax
 from mpjax._src import hardware, levels
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
+from mpjax._src.interpreter import kernels
 from mpjax._src.interpreter.autocast import Context, eval_jaxpr, trace_body
 from mpjax._src.interpreter.values import cast, dynamic_leaves, fill_dynamic
 from mpjax._src.policy import Policy
 
 
-def trace_call(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any, list[Any]]:
-    """`fn(*args, **kwargs)` traced at its array leaves: (closed jaxpr, output tree, the array
-    leaves to evaluate it on). Non-array leaves are baked in, as jax.jit's static arguments."""
+def trace_call(
+    ctx: Context, fn: Callable[..., Any], args: Any, kwargs: Any
+) -> tuple[Any, Any, list[Any]]:
+    """`fn(*args, **kwargs)` traced at its array leaves for evaluation under `ctx`: (closed
+    jaxpr, output tree, the array leaves to evaluate it on). Non-array leaves are baked in, as
+    jax.jit's static arguments; fused kernels are traced in the policy's half (kernels.py)."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dynamic = dynamic_leaves(leaves)
-    return _trace_leaves(fn, leaves, treedef, dynamic) + ([leaves[i] for i in dynamic],)
+    return _trace_leaves(ctx, fn, leaves, treedef, dynamic) + ([leaves[i] for i in dynamic],)
 
 
 def flat_call(
@@ -41,11 +45,24 @@ def flat_call(
     return flat_fn
 
 
+def kernels_in_half(
+    policy: Policy, rules: Mapping[str, Policy] | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """Fused kernels called inside run in `policy`'s half, as under autocast (kernels.py):
+    for a Flax model's init, which runs its forward pass outside autocast."""
+    if not levels.of(policy).interprets:
+        return contextlib.nullcontext()
+    return kernels.in_half(Context(policy, dict(rules or {})))
+
+
 def _trace_leaves(
-    fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
+    ctx: Context, fn: Callable[..., Any], leaves: list[Any], treedef: Any, dynamic: list[int]
 ) -> Any:
     flat_fn = flat_call(fn, leaves, treedef, dynamic)
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*[leaves[i] for i in dynamic])
+    with kernels.in_half(ctx):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+            *[leaves[i] for i in dynamic]
+        )
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
@@ -277,7 +294,7 @@ def _build(
     dynamic: list[int],
     cast_outputs: Any,
 ) -> _Entry:
-    closed, out_tree = _trace_leaves(fn, leaves, treedef, dynamic)
+    closed, out_tree = _trace_leaves(ctx, fn, leaves, treedef, dynamic)
     if callable(cast_outputs):
         cast_outputs = list(cast_outputs(out_tree))
 

@@ -72,12 +72,16 @@ RULES = interpret.Registry()
 UNTOUCHED_SCOPE = "mpjax_untouched"
 # The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).
 NOT_REBUILT = "not-rebuilt"
+# ... for a fused kernel that failed when traced with half operands (see kernels.py).
+NO_HALF_KERNEL = "no-half-operands"
 
 
 def untouched_reason(prim: str, code: str = "") -> str:
     """Why autocast left `prim` in its traced dtypes, from its ``mpjax_untouched`` scope."""
     if code == NOT_REBUILT:
         return "autocast could not rebuild its body: it ran in its traced dtypes"
+    if code == NO_HALF_KERNEL:
+        return "a fused kernel that failed with half operands: it ran as written (float32)"
     return ops.UNTOUCHED_OPS.get(prim, "a primitive autocast does not know: runs as traced")
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from mpjax._src.interpreter.regions import F32_REGION, region_key
+from mpjax._src.interpreter.regions import F32_REGION, marker_scope, region_key
 from mpjax._src.policy import Policy
 
 # Module paths travel in the name stack as this scope (``/`` would split it into parts).
@@ -37,8 +37,8 @@ def _module_scope(path: str, keep: frozenset[str]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.named_scope(_MODULE_SCOPE + path.replace("/", "|")))
         if path in keep:  # the two scopes of an O0 rule of mpjax.flax.wrap, innermost
-            stack.enter_context(jax.named_scope(f"mpjax:{F32_REGION}"))
-            stack.enter_context(jax.named_scope(f"mpjax:{_o0_key()}"))
+            stack.enter_context(marker_scope(F32_REGION))
+            stack.enter_context(marker_scope(_o0_key()))
         yield
 
 

@@ -5,6 +5,7 @@ per-module rules of the Flax wrappers put in name stacks."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import itertools
 import re
 import threading
@@ -19,10 +20,28 @@ MARKER = re.compile(r"mpjax:([A-Za-z0-9_]+)")
 F32_REGION, HALF_REGION = "f32", "half"
 
 
+# The markers of the regions entered, innermost last, while a program is traced: JAX starts
+# each sub-trace (a jit, scan, remat or custom_vjp body) with an empty name stack, so a fused
+# kernel traced in one reads its region here (kernels.py).
+_ENTERED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "mpjax_regions", default=()
+)
+
+
 @contextlib.contextmanager
-def _scope(marker: str) -> Iterator[None]:
-    with jax.named_scope(f"mpjax:{marker}"):
-        yield
+def marker_scope(marker: str) -> Iterator[None]:
+    """The ``mpjax:<marker>`` name scope of a region (see :func:`entered`)."""
+    token = _ENTERED.set((*_ENTERED.get(), marker))
+    try:
+        with jax.named_scope(f"mpjax:{marker}"):
+            yield
+    finally:
+        _ENTERED.reset(token)
+
+
+def entered() -> str:
+    """The region markers in force where a program is being traced, as a name stack has them."""
+    return "/".join(f"mpjax:{m}" for m in _ENTERED.get())
 
 
 class _Region:
@@ -39,10 +58,10 @@ class _Region:
         self.__doc__ = doc
 
     def __call__(self) -> contextlib.AbstractContextManager[None]:
-        return _scope(self._marker)
+        return marker_scope(self._marker)
 
     def __enter__(self) -> None:
-        scope = _scope(self._marker)
+        scope = marker_scope(self._marker)
         scope.__enter__()
         self._entered.__dict__.setdefault("stack", []).append(scope)
 

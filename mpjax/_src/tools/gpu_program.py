@@ -360,6 +360,8 @@ def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, 
             return "gemm", ()
         if target.startswith("__cudnn$conv"):
             return "conv", ()
+        if target.startswith("__cudnn$fmha"):  # cuDNN's fused attention, forward or backward
+            return "attention", ()
         return "custom-call", ()
     if ins.opcode == "fusion":
         called = _called(attrs)
@@ -506,7 +508,26 @@ def _flops(kind: str, ins: _Instr, comp: _Computation, comps: dict[str, _Computa
         return _gemm_flops(ins, comp, comps)
     if kind == "conv" and ins.opcode == "custom-call":
         return _conv_flops(ins, comp)
+    if kind == "attention":
+        return _attention_flops(ins, comp)
     return 0.0
+
+
+def _attention_flops(ins: _Instr, comp: _Computation) -> float:
+    """A cuDNN fused attention's matmul FLOPs, from its shapes: each of its matmuls is 2 * B *
+    H * T * S * D (the scores' B, H, T, S from its backend config, D the query's last
+    dimension): two forward (QK^T, PV), five backward (the scores again, dV, dP, dQ, dK); half
+    of them under a causal mask, whose masked blocks it skips."""
+    scores = re.search(
+        r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', ins.attrs
+    )
+    query = _arrays(comp.shapes.get(ins.operands[0], "")) if ins.operands else []
+    if not scores or not query or not query[0][1]:
+        return 0.0
+    area = math.prod(int(d.strip().strip('"')) for d in scores.group(1).split(",") if d.strip())
+    matmuls = 5 if "Backward" in ins.attrs.split("custom_call_target=", 1)[-1][:60] else 2
+    causal = 0.5 if re.search(r'"mask_type":\s*"[A-Z_]*CAUSAL', ins.attrs) else 1.0
+    return 2.0 * matmuls * area * query[0][1][-1] * causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,16 +583,18 @@ class Kernel:
 
     Attributes:
       name: the HLO instruction's name.
-      kind: gemm, conv, loop, reduction, softmax (a Triton fusion), copy/transpose,
-        collective, or the instruction's opcode.
+      kind: gemm, conv, attention (cuDNN's fused attention), loop, reduction, softmax (a
+        Triton fusion), copy/transpose, collective, or the instruction's opcode.
       bytes: the bytes it reads and writes: its operands and results (a library call's
         workspace left out), as if each were read and written once.
-      gemm_dtypes: a gemm's operand element types (``("bf16", "bf16")``), else ().
+      gemm_dtypes: a gemm's operand element types (``("bf16", "bf16")``), a fused
+        attention's query and key types, else ().
       loop: the while loop or call it runs in, if any ("" at the top level).
       op_name: the JAX op it was compiled from (the instruction's ``op_name`` metadata, as
         the audit names matmuls), or "".
       flops: a gemm's FLOPs (2 * result elements * contracted size), a cuDNN
-        convolution's (2 * output elements * window * input features / groups), else 0.
+        convolution's (2 * output elements * window * input features / groups), a fused
+        attention's (its matmuls', from its shapes), else 0.
     """
 
     name: str
@@ -603,7 +626,7 @@ def read_kernels(text: str) -> list[Kernel]:
                         walk(c, via or ins.name, depth + 1)
                 continue
             kind, types = _kind(ins, comps)
-            if kind == "gemm" and not types:
+            if kind in ("gemm", "attention") and not types:
                 types = tuple(
                     (_arrays(comp.shapes.get(o, "")) or [("?", ())])[0][0] for o in ins.operands[:2]
                 )
