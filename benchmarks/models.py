@@ -78,17 +78,27 @@ class BNCNN(nn.Module):
         return nn.Dense(self.classes, dtype=self.dtype)(x.mean(axis=(1, 2)))
 
 
+def cudnn_causal_attention(query, key, value, mask=None, **kwargs):
+    """A Flax ``attention_fn``: cuDNN's fused flash attention (``jax.nn.dot_product_attention``
+    with ``implementation="cudnn"``), causal. The language models' mask is causal, so it is
+    not passed (cuDNN would add it as a bias)."""
+    del mask, kwargs
+    return jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation="cudnn")
+
+
 class Block(nn.Module):
     """A pre-norm Transformer block: self-attention, optional cross-attention, an MLP."""
 
     width: int
     heads: int
     dtype: Any = None
+    attention_fn: Any = None  # None: Flax's own (XLA's attention)
 
     @nn.compact
     def __call__(self, x, mask=None, memory=None, memory_mask=None):
+        own = {} if self.attention_fn is None else {"attention_fn": self.attention_fn}
         attention = functools.partial(
-            nn.MultiHeadDotProductAttention, num_heads=self.heads, dtype=self.dtype
+            nn.MultiHeadDotProductAttention, num_heads=self.heads, dtype=self.dtype, **own
         )
         h = nn.LayerNorm(dtype=self.dtype)(x)
         x = x + attention()(h, h, mask=mask)
@@ -108,6 +118,7 @@ class _Transformer(nn.Module):
     depth: int
     heads: int
     dtype: Any = None
+    attention_fn: Any = None  # the blocks' (see Block)
 
     def positions(self, length):
         """The learned position table (a float32 param, cast to ``dtype`` if set)."""
@@ -123,7 +134,7 @@ class TransformerLM(_Transformer):
         x = x + self.positions(tokens.shape[1])
         mask = nn.make_causal_mask(tokens)
         for _ in range(self.depth):
-            x = Block(self.width, self.heads, self.dtype)(x, mask)
+            x = Block(self.width, self.heads, self.dtype, self.attention_fn)(x, mask)
         return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 

@@ -544,3 +544,110 @@ def test_a_batchnorm_cnn_no_benchmark_tunes_for_in_each_gpus_program(target):
     limit = {"h100": 1.01, "b200": 1.03}[target]
     ratio = o2["modeled_seconds"] / hand["modeled_seconds"]
     assert ratio <= limit, ratio
+
+
+# -- fused attention: cuDNN's flash attention under every policy ------------------------------
+
+HAS_CUDNN = HAS_PLUGIN and importlib.util.find_spec("nvidia.cudnn") is not None
+needs_cudnn = pytest.mark.skipif(
+    not HAS_CUDNN,
+    reason="cuDNN is not installed (nvidia-cudnn-cu12): JAX checks its version when it traces "
+    "cuDNN's fused attention",
+)
+
+
+def _attention_block(implementation):
+    """The fused-attention issue's block: q, k, v and output projections of float32 params
+    around ``jax.nn.dot_product_attention`` (causal), 1 x 4096 tokens, 16 heads of 128."""
+    t, heads, d = 4096, 16, 128
+    width = heads * d
+
+    def block(params, x):
+        q, k, v = ((x @ params[n]).reshape(1, t, heads, d) for n in "qkv")
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        return jnp.mean((o.reshape(1, t, width) @ params["o"]).astype(jnp.float32) ** 2)
+
+    params = {n: jax.ShapeDtypeStruct((width, width), jnp.float32) for n in "qkvo"}
+    return block, params, jax.ShapeDtypeStruct((1, t, width), jnp.float32)
+
+
+def _block_program(fn, params, x, target):
+    return mpjax.audit(jax.grad(fn), params, x, target=target).gpu
+
+
+def _by_hand(block, half):
+    return lambda p, x: block(jax.tree.map(lambda a: a.astype(half), p), x.astype(half))
+
+
+@pytest.mark.slow
+@needs_cudnn
+@pytest.mark.parametrize("target", ["h100", "b200"])
+def test_cudnn_attention_runs_in_half_under_autocast_at_the_hand_written_cost(target):
+    """``implementation="cudnn"`` refuses float32 operands when traced: autocast crashed on
+    it (NotImplementedError: Q must be fp16/bf16...). Now at O1 and O2, in bfloat16 and
+    float16, its forward and backward cuDNN kernels take the half operands and the step costs
+    what the hand-written half step costs (1.000x modeled time and temp, measured), the
+    attention's FLOPs counted in the modeled time."""
+    block, params, x = _attention_block("cudnn")
+    for half in ("bfloat16", "float16"):
+        hand = _block_program(_by_hand(block, half), params, x, target)
+        short = {"bfloat16": "bf16", "float16": "f16"}[half]
+        fused = [k for k in hand.kernels if k.kind == "attention"]
+        assert len(fused) == 2 and all(k.gemm_dtypes == (short, short) for k in fused)
+        assert sum(k.flops for k in fused) == 7 * 2 * 4096 * 4096 * 16 * 128 * 0.5
+        for level in ("O1", "O2"):
+            policy = mpjax.Policy.from_level(level, half)
+            got = _block_program(mpjax.autocast(block, policy), params, x, target)
+            mine = [k for k in got.kernels if k.kind == "attention"]
+            assert [(k.gemm_dtypes, k.flops, k.bytes) for k in mine] == [
+                (k.gemm_dtypes, k.flops, k.bytes) for k in fused
+            ]
+            assert got.modeled_seconds() <= 1.01 * hand.modeled_seconds(), (level, half)
+            assert got.temp_bytes <= 1.01 * hand.temp_bytes, (level, half)
+
+
+@pytest.mark.slow
+@needs_cudnn
+def test_attention_with_no_implementation_named_keeps_jaxs_choice():
+    """``implementation=None`` is JAX's choice, which in JAX 0.6 to 0.10 is XLA's attention
+    for any dtype, the hand-written bfloat16 step's included (no cuDNN kernel in either
+    program). mpjax keeps that choice; its O2 step costs no more than the hand-written one
+    (0.75x modeled time: the softmax island's float32 statistics cost less than the half
+    softmax's extra passes). Should JAX start choosing cuDNN for half operands, the first
+    assertion fails, and autocast must follow it."""
+    block, params, x = _attention_block(None)
+    hand = _block_program(_by_hand(block, "bfloat16"), params, x, "h100")
+    o2 = _block_program(mpjax.autocast(block, mpjax.Policy.from_level("O2")), params, x, "h100")
+    assert not [k for k in hand.kernels if k.kind == "attention"]
+    assert not [k for k in o2.kernels if k.kind == "attention"]
+    assert o2.modeled_seconds() <= 1.01 * hand.modeled_seconds()
+
+
+@pytest.mark.slow
+@needs_cudnn
+@pytest.mark.parametrize("target", ["h100", "b200"])
+def test_a_gpt_step_with_cudnn_attention_under_wrap(target):
+    """A GPT-style LM (d_model 2048, 2 layers of 16 heads of 128, 4096 tokens, vocabulary
+    8192, Adam) whose linen attention_fn is cuDNN's fused attention, wrapped with
+    ``mpjax.flax.wrap`` (init included: its float32 forward pass calls cuDNN in half too):
+    O2 runs the same cuDNN kernels as the hand-written ``dtype=`` step, in the same bytes, at
+    or below 1.01x its modeled time and temp (1.006x and 1.000x, measured). O1 keeps the
+    residual stream and norms in float32, as torch.amp does: 1.035x-1.038x, in the level's
+    own ops, not in the attention."""
+    bench, memory = _bench()
+    import models
+
+    module, x, y = memory.build("gpt", "attention")
+    module = module.clone(attention_fn=models.cudnn_causal_attention)
+    for half in ("bfloat16", "float16"):
+        dtype = jnp.dtype(half)
+        hand_variant = memory.Variant("dtype", dtype)
+        o2_variant = memory.Variant("policy", dtype, mpjax.Policy.from_level("O2", half))
+        hand, o2 = (
+            bench.count(*bench.abstract_step(module, v, x, y), target)
+            for v in (hand_variant, o2_variant)
+        )
+        assert o2["by_kind"]["attention"] == hand["by_kind"]["attention"]
+        assert o2["by_kind"]["attention"]["kernels"] == 4  # forward and backward, 2 layers
+        assert o2["modeled_seconds"] <= 1.01 * hand["modeled_seconds"], (half, o2, hand)
+        assert o2["temp_bytes"] <= 1.01 * hand["temp_bytes"], half
