@@ -9,7 +9,6 @@ import functools
 import warnings
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -20,6 +19,7 @@ from jax.experimental import pallas as pl
 
 import mpjax
 import mpjax.flax
+from mpjax._src.interpreter import interpret
 
 pytestmark = pytest.mark.filterwarnings("ignore::mpjax.HardwareWarning")
 
@@ -95,8 +95,8 @@ def _pallas_calls(jaxpr):
                 )
             )
             continue
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _pallas_calls(sub)
+        for sub in interpret.bodies(eqn):  # every JAX version's higher-order params
+            found += _pallas_calls(interpret.open_jaxpr(sub)[0])
     return found
 
 
