@@ -594,6 +594,7 @@ def test_cudnn_attention_runs_in_half_under_autocast_at_the_hand_written_cost(ta
         short = {"bfloat16": "bf16", "float16": "f16"}[half]
         fused = [k for k in hand.kernels if k.kind == "attention"]
         assert len(fused) == 2 and all(k.gemm_dtypes == (short, short) for k in fused)
+        assert f"fused attention (cuDNN): 2 {short} x {short}" in str(hand)
         assert sum(k.flops for k in fused) == 7 * 2 * 4096 * 4096 * 16 * 128 * 0.5
         for level in ("O1", "O2"):
             policy = mpjax.Policy.from_level(level, half)

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -197,10 +198,16 @@ def _has_kernel(jaxpr: Any) -> bool:
 # -- the hooks: each a wrapper of a JAX entry point, as written unless autocast is tracing ------
 
 _INSTALLED: set[str] = set()
+_INSTALLING = threading.Lock()
 
 
 def _install() -> None:
     """Installs the hooks once; Pallas's when it has been imported (never imports it)."""
+    with _INSTALLING:
+        _install_missing()
+
+
+def _install_missing() -> None:
     if "cudnn" not in _INSTALLED:
         functions = jc.nn_functions()
         functions.cudnn_dot_product_attention = _cudnn_hook(functions.cudnn_dot_product_attention)

@@ -794,6 +794,14 @@ class GpuProgram:
         rows.append(
             "  gemms: " + ", ".join(f"{n} {d}" for d, n in sorted(self.gemm_dtypes().items()))
         )
+        fused = collections.Counter(
+            " x ".join(k.gemm_dtypes) for k in self.kernels if k.kind == "attention"
+        )
+        if fused:
+            rows.append(
+                "  fused attention (cuDNN): "
+                + ", ".join(f"{n} {d}" for d, n in sorted(fused.items()))
+            )
         if self.folded_casts:
             rows.append(
                 f"  {self.folded_casts} of {self.narrowing_casts} narrowing cast pairs "
