@@ -682,3 +682,23 @@ def test_a_pallas_triton_kernel_runs_in_half_in_the_h100_program(level):
     assert kernels(got) == kernels(hand)
     assert got.bytes_moved <= 1.01 * hand.bytes_moved
     assert got.modeled_seconds() <= 1.01 * hand.modeled_seconds()
+
+
+@pytest.mark.slow
+@needs_cudnn
+def test_an_fp8_policy_runs_cudnn_attention_in_its_base_half():
+    """mpjax.fp8 on the cuDNN attention block: the projections' gemms run in FP8, cuDNN's
+    fused attention in the base policy's bfloat16, forward and backward."""
+    block, params, x = _attention_block("cudnn")
+    policy = mpjax.fp8.policy("O2")
+    state = jax.eval_shape(lambda p, x: mpjax.fp8.init(block, policy, p, x), params, x)
+
+    def step(state, params, x):
+        return mpjax.fp8.scaled_value_and_grad(block, policy)(state, params, x)
+
+    program = mpjax.audit(step, state, params, x, target="h100").gpu
+    fused = [k for k in program.kernels if k.kind == "attention"]
+    assert [k.gemm_dtypes for k in fused] == [("bf16", "bf16")] * 2
+    gemms = program.gemm_dtypes()
+    # 4 forward, 4 weight gradients, the output projection's input gradient: all FP8
+    assert all("f8" in d for d in gemms) and sum(gemms.values()) == 9, gemms
