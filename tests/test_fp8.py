@@ -584,3 +584,99 @@ def test_a_recipe_of_another_kind_is_refused():
         mpjax.fp8.policy("O2", recipe="current")
     with pytest.raises(ValueError, match="margin must be >= 0"):
         mpjax.fp8.CurrentScaling(margin=-1)
+
+
+# -- MXFP8 ---------------------------------------------------------------------------------------
+
+
+def _mx_reference(x, axis):
+    """NumPy's MXFP8 round trip of `x` along `axis`: blocks of 32, each scaled by the power of
+    two that its amax / 448 rounds up to, values rounded to E4M3 by the installed JAX's
+    conversion (JAX 0.6's rounds some values of float32 otherwise than ml_dtypes does)."""
+    x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    scale = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.where(amax > 0, amax, 1) / 448)), 1.0)
+    scaled = jnp.asarray(np.clip(blocks / scale, -448, 448), jnp.float32)
+    q = np.asarray(scaled.astype(jnp.float8_e4m3fn), np.float64)
+    return np.moveaxis((q * scale).reshape(x.shape), -1, axis)
+
+
+def test_mxfp8_scales_each_block_of_32_by_a_power_of_two_rounded_up():
+    """One scale per 32 consecutive elements along the contraction: amax / 448 rounded up to a
+    power of two, so nothing saturates; a block of zeros has scale 1; one outlier coarsens its
+    own block only (a per-tensor scale would flush the small blocks' values)."""
+    from mpjax._src.float8.fp8_dot import mx_quantize
+
+    x = jax.random.normal(jax.random.key(0), (4, 128)) * 1e-3
+    x = x.at[0, 5].set(3000.0).at[2, 32:64].set(0.0)
+    q, scale, amax = mx_quantize(x, axis=1)
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (4, 4) and float(amax) == 3000.0
+    s = np.asarray(scale)
+    assert np.all(np.frexp(s)[0] == 0.5)  # exact powers of two (E8M0)
+    assert s[0, 0] == 2.0 ** np.ceil(np.log2(3000 / 448)) and s[2, 1] == 1.0
+    blocks = np.abs(np.asarray(x)).reshape(4, 4, 32).max(-1)
+    assert np.all(blocks / s <= 448) and np.all((blocks / s > 224) | (blocks == 0))
+    back = np.asarray(q, np.float64).reshape(4, 4, 32) * s[..., None]
+    np.testing.assert_array_equal(back.reshape(4, 128), _mx_reference(x, 1))
+    small = np.asarray(x)[1]
+    assert np.max(np.abs(back.reshape(4, 128)[1] - small) / np.abs(small)) <= 2.0**-4
+
+
+@pytest.mark.parametrize("cudnn", [False])
+def test_mxfp8_quantizes_each_operand_along_each_gemms_contraction(cudnn):
+    """The forward gemm and both gradient gemms are E4M3 with each operand quantized from its
+    full-precision value along the axis that gemm contracts, as the recipe has it: mpjax's
+    numbers are NumPy's reference of the recipe. A transposed forward copy (the input
+    quantized along K, reused for the weight gradient that contracts M) gives other numbers."""
+    from mpjax._src.float8.fp8_dot import fp8_dot_mx
+
+    ka, kb, kg = jax.random.split(jax.random.key(1), 3)
+    # [M, K], its columns alternately of size 1 and 1e-6: blocks along K hold both sizes
+    a = jax.random.normal(ka, (64, 96)) * 10.0 ** (-6 * (jnp.arange(96) % 2))
+    b = jax.random.normal(kb, (96, 32))  # [K, N]
+    g = jax.random.normal(kg, (64, 32)) * 1e-3  # the output's cotangent
+    dims = (((1,), (0,)), ((), ()))
+    out, vjp = jax.vjp(lambda a, b: fp8_dot_mx(dims, jnp.float32, cudnn, a, b, jnp.zeros(3)), a, b)
+    da, db = vjp(g)
+    np.testing.assert_allclose(out, _mx_reference(a, 1) @ _mx_reference(b, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        da, _mx_reference(g, 1) @ _mx_reference(b, 1).T, rtol=1e-5, atol=1e-9
+    )
+    want_db = _mx_reference(a, 0).T @ _mx_reference(g, 0)
+    np.testing.assert_allclose(db, want_db, rtol=1e-5, atol=1e-7)
+    transposed = _mx_reference(a, 1).T @ _mx_reference(g, 0)  # the small columns flushed
+    tiny = np.abs(want_db[1::2])
+    assert np.max(np.abs(transposed - want_db)[1::2]) > 0.5 * np.max(tiny)
+    np.testing.assert_allclose(np.asarray(db)[1::2], want_db[1::2], rtol=1e-5, atol=1e-12)
+
+
+def test_mxfp8_recipe_runs_e4m3_only_and_leaves_dots_off_the_blocks_in_half():
+    """Under MXFP8BlockScaling every FP8 gemm is E4M3 (no E5M2 gradient), a dot whose sizes do
+    not divide into blocks of 32 (48 wide here) is no site and runs in the base half, the
+    audit counts the emulated gemms as FP8 ones, and describe shows each site's amaxes."""
+    w1 = jax.random.normal(jax.random.key(2), (64, 48)) / 8
+    w2 = jax.random.normal(jax.random.key(3), (48, 64)) / 8
+    w3 = jax.random.normal(jax.random.key(4), (64, 32)) / 8
+    x = jax.random.normal(jax.random.key(5), (32, 64))
+    loss = lambda p, x: jnp.mean((jax.nn.relu(jax.nn.relu(x @ p[0]) @ p[1]) @ p[2]) ** 2)
+    params = (w1, w2, w3)
+    pol = mpjax.fp8.policy("O2", recipe=mpjax.fp8.MXFP8BlockScaling())
+    state = mpjax.fp8.init(loss, pol, params, x)
+    assert state.num_sites == 1  # x @ w1 and h @ w2 are 48 wide: only h @ w3 divides
+    assert mpjax.fp8.policy("O2").recipe != pol.recipe
+    assert mpjax.fp8.init(loss, mpjax.fp8.policy("O2"), params, x).num_sites == 3
+    step = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))
+    value, grads, state = step(state, params, x)
+    text = str(jax.make_jaxpr(step)(state, params, x))
+    assert "f8_e4m3fn" in text and "f8_e5m2" not in text
+    report = mpjax.audit(step, state, params, x)
+    # its forward gemm, its input's gradient and its weight's
+    assert [m.fp8_dtypes for m in report.fp8_matmuls] == [("float8_e4m3fn",) * 2] * 3
+    row = mpjax.fp8.describe(state)[0]
+    kernel_amax = float(jnp.abs(w3.astype(jnp.bfloat16)).max())  # O2: the bfloat16 weight's
+    assert row["input_amax"] > 0 and row["kernel_amax"] == kernel_amax
+    ref_value, ref_grads = jax.value_and_grad(loss)(params, x)
+    assert abs(float(value) / float(ref_value) - 1) < 0.03
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.06

@@ -524,13 +524,14 @@ def test_the_loss_scale_scales_the_gradients_exactly_and_not_the_fp8_state():
     assert_trees_bit_identical(scaled[2], plain[2])
 
 
-def test_train_state_and_checkpoint_take_the_fp8_policy(rng, tmp_path):
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "MXFP8BlockScaling"])
+def test_train_state_and_checkpoint_take_the_fp8_policy(rng, tmp_path, recipe):
     """TrainState.create and mpjax.checkpoint take the FP8 policy as wrap does: the loss scale
     is the base level's, and the checkpoint records the recipe beside the base policy, so it
     is restored under the same FP8 policy only."""
     import mpjax.checkpoint
 
-    pol = mpjax.fp8.policy("O2", "float16")
+    pol = mpjax.fp8.policy("O2", "float16", recipe=getattr(mpjax.fp8, recipe)())
     loss, params, x, y = _linen(pol, rng)
     state = mpjax.flax.TrainState.create(
         apply_fn=None, params=params, tx=optax.sgd(0.1), policy=pol
@@ -544,10 +545,10 @@ def test_train_state_and_checkpoint_take_the_fp8_policy(rng, tmp_path):
     assert int(state.opt_state.skipped_steps) == 0
     tree = {"state": state, "fp8": fp8_state}
     mpjax.checkpoint.save(tmp_path / "ckpt", tree, pol)
-    assert "DelayedScaling" in mpjax.checkpoint.saved_policy(tmp_path / "ckpt")["fp8_recipe"]
+    assert recipe in mpjax.checkpoint.saved_policy(tmp_path / "ckpt")["fp8_recipe"]
     restored = mpjax.checkpoint.restore(tmp_path / "ckpt", tree, pol)
     assert_trees_bit_identical(restored["fp8"], fp8_state)
-    with pytest.raises(ValueError, match="FP8 DelayedScaling"):
+    with pytest.raises(ValueError, match=f"FP8 {recipe}"):
         mpjax.checkpoint.restore(tmp_path / "ckpt", tree, pol.base)
 
 

@@ -120,14 +120,17 @@ def test_jit_with_named_sharding_skips_globally(level, half):
 
 @needs_8
 @pytest.mark.parametrize("layout", ["data parallel", "fsdp x tp"])
-@pytest.mark.parametrize("granularity", [None, "row"])
+@pytest.mark.parametrize("granularity", [None, "row", "mx"])
 def test_fp8_step_under_sharding_matches_one_device(layout, granularity):
     """An FP8 step under jit with sharded params and batch: its dots stay FP8 dots, every
     amax is the whole tensor's (a global max, not a shard's), and the step agrees with the
     same step on one device."""
     import mpjax.fp8
 
-    recipe = granularity and mpjax.fp8.CurrentScaling(granularity=granularity)
+    if granularity == "mx":  # MXFP8: blocks of 32 along each gemm's contraction
+        recipe = mpjax.fp8.MXFP8BlockScaling()
+    else:
+        recipe = granularity and mpjax.fp8.CurrentScaling(granularity=granularity)
     pol = mpjax.fp8.policy("O2", recipe=recipe)
     keys = jax.random.split(jax.random.key(0), 3)
     params = [jax.random.normal(k, (32, 32)) / 6 for k in keys]
@@ -155,7 +158,11 @@ def test_fp8_step_under_sharding_matches_one_device(layout, granularity):
         assert rel_err(a, e) < 1.05 * rel_err(b, e) + 0.005, (rel_err(a, e), rel_err(b, e))
     # The forward operands' amaxes are exact maxima of whole tensors; the gradient's, close.
     np.testing.assert_array_equal(new.amax_history[:, :2], ref[2].amax_history[:, :2])
-    np.testing.assert_allclose(new.amax_history[:, 2], ref[2].amax_history[:, 2], rtol=2**-6)
+    # MXFP8 sets no scale from it (its amax is what describe shows), and a block's
+    # power-of-two scale that another summation order moves across a power of two moves the
+    # whole block: 3% measured.
+    rtol = 0.05 if granularity == "mx" else 2**-6
+    np.testing.assert_allclose(new.amax_history[:, 2], ref[2].amax_history[:, 2], rtol=rtol)
     report = mpjax.audit(step, *args)
     assert len(report.fp8_matmuls) == len(report.matmuls) == 3 * state.num_sites - 1
 

@@ -3,7 +3,11 @@ math (PaddlePaddle does the same); never fail."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import re
 import warnings
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -80,3 +84,36 @@ def warn_if_slow(policy: Policy) -> None:
     _warned.add(key)
     if message:
         warnings.warn(f"mpjax: {message}", HardwareWarning, stacklevel=3)
+
+
+# The GPU a program is being traced for when it is compiled for a target rather than for the
+# machine's own device (mpjax.audit(..., target=...)): its GpuTargetConfig text.
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("mpjax_target", default=None)
+
+
+@contextlib.contextmanager
+def tracing_for(target_config: str | None) -> Iterator[None]:
+    """Programs traced inside are for the GPU `target_config` describes (a GpuTargetConfig
+    text proto), not for this machine's devices."""
+    token = _TARGET.set(target_config)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def block_scaled_gemms() -> bool:
+    """Whether the GPU a program is being traced for has tensor cores that scale blocks
+    (compute capability 10 or more: Blackwell), so MXFP8 gemms run as cuDNN block-scaled
+    dots: the target being compiled for (see tracing_for), else this machine's first device."""
+    config = _TARGET.get()
+    if config is not None:
+        found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", config)
+        return found is not None and int(found.group(1)) >= 10
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    try:
+        return float(getattr(device, "compute_capability", 0) or 0) >= 10
+    except (TypeError, ValueError):
+        return False

@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from mpjax._src import levels
+from mpjax._src import hardware, levels
 from mpjax._src.float8.fp8_dot import (
     E4M3,
     E5M2,
@@ -23,10 +23,13 @@ from mpjax._src.float8.fp8_dot import (
     INPUT,
     KERNEL,
     check_scale,
+    dot_sizes,
     finite_max,
     fp8_dot_current,
     fp8_dot_general,
+    fp8_dot_mx,
     fp8_dot_rows,
+    mx_eligible,
     scale_of,
 )
 from mpjax._src.interpreter import autocast as autocast_lib
@@ -121,7 +124,39 @@ class CurrentScaling:
             )
 
 
-Recipe = DelayedScaling | CurrentScaling
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+    """TransformerEngine's ``MXFP8BlockScaling`` recipe (OCP MX), the FP8 training of NVIDIA
+    Blackwell (B200, GB200), whose tensor cores scale blocks themselves.
+
+    Every gemm runs in E4M3, the backward ones too (the input and weight gradients). Each
+    operand is quantized from its high-precision value along the axis each of its gemms
+    contracts (a transpose of the forward copy is not the same numbers), in blocks of 32
+    consecutive elements, each with a power-of-two scale: the block's amax / 448 rounded up
+    (E8M0). No scale is kept between steps; the state holds each tensor's amax of the last
+    step, for :func:`describe`.
+
+    On a GPU of compute capability 10 each gemm is a cuDNN block-scaled dot
+    (``jax.nn.scaled_matmul``, which XLA makes ``__cudnn$blockScaledDot`` with cuDNN 9.10 or
+    newer). Elsewhere (Hopper, TPU, CPU), where no gemm scales blocks, the same numbers are
+    emulated: the E4M3 values times their scales, exactly representable in bfloat16, in a
+    bfloat16 gemm with float32 sums. ``mpjax.audit(..., target="b200")`` compiles the B200's
+    program. A dot whose sizes do not all divide into blocks of 32 (its free sizes and its
+    contraction: the three gemms contract each) runs in the base policy's half.
+
+    Example:
+      >>> import mpjax.fp8
+      >>> mpjax.fp8.policy("O2", recipe=mpjax.fp8.MXFP8BlockScaling()).recipe
+      MXFP8BlockScaling()
+    """
+
+    margin: int = dataclasses.field(default=0, init=False, repr=False)
+    amax_history_len: int = dataclasses.field(default=1, init=False, repr=False)
+    amax_compute_algo: str = dataclasses.field(default="most_recent", init=False, repr=False)
+
+
+Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling
+_RECIPES = (DelayedScaling, CurrentScaling, MXFP8BlockScaling)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("scale", "amax_history"),
@@ -134,7 +169,8 @@ class FP8State:
       scale: float32 ``[sites, 3]``: the quantization scale of each site's input, kernel and
         gradient (``x_fp8 = x * scale``).
       amax_history: float32 ``[sites, 3, amax_history_len]``, newest first.
-      recipe: the recipe, :class:`DelayedScaling` or :class:`CurrentScaling` (static: not a leaf).
+      recipe: the recipe, :class:`DelayedScaling`, :class:`CurrentScaling` or
+        :class:`MXFP8BlockScaling` (static: not a leaf).
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax.fp8
@@ -185,8 +221,8 @@ class FP8Policy:
 
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
-      recipe: the scaling recipe: :class:`DelayedScaling` (the default) or
-        :class:`CurrentScaling`.
+      recipe: the scaling recipe: :class:`DelayedScaling` (the default),
+        :class:`CurrentScaling` or :class:`MXFP8BlockScaling`.
       batched_dots: whether dots with batch dimensions are sites too.
 
     Example:
@@ -201,10 +237,10 @@ class FP8Policy:
     batched_dots: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.recipe, (DelayedScaling, CurrentScaling)):
+        if not isinstance(self.recipe, _RECIPES):
             raise TypeError(
-                f"recipe must be mpjax.fp8.DelayedScaling(...) or mpjax.fp8.CurrentScaling(...), "
-                f"got {type(self.recipe).__name__}."
+                "recipe must be mpjax.fp8.DelayedScaling(...), mpjax.fp8.CurrentScaling(...) or "
+                f"mpjax.fp8.MXFP8BlockScaling(), got {type(self.recipe).__name__}."
             )
         if not isinstance(self.base, Policy) or not levels.casts(self.base):
             raise ValueError(
@@ -230,7 +266,8 @@ def policy(
     Args:
       level: the base level, "O1" or "O2" (or "O3").
       half_dtype: the base half dtype (bfloat16 by default, as FP8 training uses).
-      recipe: ``DelayedScaling()`` (the default) or ``CurrentScaling()``.
+      recipe: ``DelayedScaling()`` (the default), ``CurrentScaling()`` or
+        ``MXFP8BlockScaling()``.
       batched_dots: also run dots with batch dimensions (attention's) in FP8 (see
         :class:`FP8Policy`).
 
@@ -392,6 +429,9 @@ class _Sites:
         self.count = 0
         # Current scaling: scales from each tensor's amax, not from the state.
         self.current = pol.recipe if isinstance(pol.recipe, CurrentScaling) else None
+        # MXFP8: block scales from each block's amax; gemms scale blocks on compute
+        # capability 10 (decided when the function is traced: hardware.py).
+        self.mx = isinstance(pol.recipe, MXFP8BlockScaling)
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
         self.base = pol.base
         self.batched_dots = pol.batched_dots
@@ -406,13 +446,18 @@ class _Sites:
         trace, scale, sink = self.frames[-1]
         if _trace_state() != trace:
             return None
+        dims = eqn.params["dimension_numbers"]
+        lhs_shape, rhs_shape = (v.aval.shape for v in eqn.invars)
+        if self.mx and not mx_eligible(*dot_sizes(lhs_shape, rhs_shape, dims)):
+            return None  # not in blocks of 32: the base half (the audit names it)
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
         lhs, rhs = (values.cast(x, dt, keep_constant=keep_constants) for x in invals)
-        dims = eqn.params["dimension_numbers"]
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
+        if self.mx:
+            return fp8_dot_mx(dims, dt, hardware.block_scaled_gemms(), lhs, rhs, sink[i])
         if self.current is not None:
             dot = fp8_dot_rows if self.current.granularity == "row" else fp8_dot_current
             return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])

@@ -295,3 +295,119 @@ def check_scale(scale: Any, what: str) -> None:
             "state with mpjax.fp8.init (scales start at 1 and follow the amaxes), or restore "
             "it from the checkpoint it came from."
         )
+
+
+# -- MXFP8: E4M3 values in blocks of 32 along each gemm's contraction, power-of-two scales ------
+
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+MX_BLOCK = 32
+
+
+def mx_quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`x`'s MXFP8 copy for a gemm that contracts its `axis`: the axis moved last, E4M3
+    values, and one power-of-two scale per block of 32 consecutive elements along it (OCP
+    MX's E8M0): the block's amax / 448 rounded up, so that no value saturates. A block of
+    zeros, or one holding an inf or a NaN, has scale 1 (an inf then saturates at 448, as in
+    the other recipes; a NaN stays NaN). Returns (values, float32 scales [..., K / 32], the
+    amax of x).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.float8.fp8_dot import mx_quantize
+      >>> q, s, amax = mx_quantize(jnp.arange(64.0).reshape(1, 64) * 10, axis=1)
+      >>> s.tolist(), float(amax)   # 310 / 448 rounds up to 1, 630 / 448 to 2
+      ([[1.0, 2.0]], 630.0)
+    """
+    moved = jnp.moveaxis(x, axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK)
+    blocks = blocks.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    usable = (amax > 0) & jnp.isfinite(amax)
+    exponent = jnp.ceil(jnp.log2(jnp.where(usable, amax, 1.0) / finite_max(E4M3)))
+    exponent = jnp.where(usable, jnp.clip(exponent, -127, 127), 0.0).astype(jnp.int32)
+    scale = jnp.ldexp(jnp.ones_like(amax), exponent)  # exactly 2**exponent (exp2 rounds)
+    lim = finite_max(E4M3)
+    q = jnp.clip(blocks / scale, -lim, lim).astype(E4M3).reshape(moved.shape)
+    return q, scale[..., 0], jnp.max(amax)
+
+
+def _mx_gemm(qa: Any, sa: Any, qb: Any, sb: Any, out: Any, cudnn: bool) -> Any:
+    """``qa @ qb^T`` of MXFP8 operands [B, M, K] and [B, N, K] with their block scales: on a
+    GPU whose tensor cores scale blocks (`cudnn`), ``jax.nn.scaled_matmul`` (cuDNN's
+    block-scaled dot); elsewhere the same numbers emulated, the values dequantized into
+    bfloat16 (exactly: 3-bit mantissas times powers of two) and multiplied with float32 sums."""
+    if cudnn:  # the result written in its own dtype, not in float32 then cast
+        return jax.nn.scaled_matmul(
+            qa, qb, sa.astype(E8M0), sb.astype(E8M0), preferred_element_type=out
+        )
+
+    def dequantized(q: Any, s: Any) -> Any:
+        blocks = q.reshape(*q.shape[:-1], -1, MX_BLOCK).astype(jnp.float32) * s[..., None]
+        return blocks.reshape(q.shape).astype(jnp.bfloat16)
+
+    dims = (((2,), (2,)), ((0,), (0,)))
+    acc = lax.dot_general(
+        dequantized(qa, sa), dequantized(qb, sb), dims, preferred_element_type=jnp.float32
+    )
+    return acc.astype(out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _mx_bmm(pref: Any, cudnn: bool, a: Any, b: Any, sink: Any) -> Any:
+    """``a @ b`` for a [B, M, K] and b [B, K, N] through MXFP8 (all three gemms E4M3)."""
+    return _mx_fwd(pref, cudnn, a, b, sink)[0]
+
+
+def _mx_fwd(pref: Any, cudnn: bool, a: Any, b: Any, sink: Any) -> Any:
+    # The residuals are the operands as they came (half): the backward gemms contract other
+    # axes, and the recipe quantizes each operand from its high-precision value along the
+    # axis each gemm contracts (a transposed quantized copy is not the same numbers).
+    del sink
+    qa, sa, amax_a = mx_quantize(a, 2)  # [B, M, K]
+    qb, sb, amax_b = mx_quantize(b, 1)  # [B, N, K]
+    out = _mx_gemm(qa, sa, qb, sb, pref, cudnn)
+    return out, (a, b, amax_a, amax_b)
+
+
+def _mx_bwd(pref: Any, cudnn: bool, res: Any, g: Any) -> Any:
+    a, b, amax_a, amax_b = res
+    qg, sg, amax_g = mx_quantize(g, 2)  # [B, M, N], contracted over N
+    qb, sb, _ = mx_quantize(b, 2)  # [B, K, N]
+    da = _mx_gemm(qg, sg, qb, sb, a.dtype, cudnn)  # [B, M, K]
+    qa, sa, _ = mx_quantize(a, 1)  # [B, K, M], contracted over M
+    qg, sg, _ = mx_quantize(g, 1)  # [B, N, M]
+    db = _mx_gemm(qa, sa, qg, sg, b.dtype, cudnn)  # [B, K, N]
+    return da, db, jnp.stack([amax_a, amax_b, amax_g])
+
+
+_mx_bmm.defvjp(_mx_fwd, _mx_bwd)
+
+
+def mx_eligible(m: int, k: int, n: int) -> bool:
+    """Whether a gemm's sizes divide into MXFP8 blocks along every contraction its three gemms
+    make: K forward, N for the input gradient, M for the weight gradient."""
+    return all(d > 0 and d % MX_BLOCK == 0 for d in (m, k, n))
+
+
+def fp8_dot_mx(dims: Any, pref: Any, cudnn: bool, lhs: Any, rhs: Any, sink: Any) -> Any:
+    """dot_general through MXFP8: the operands laid out as batched matrices [B, M, K] and
+    [B, K, N] (as fp8_dot_rows does), multiplied by _mx_bmm, the result laid out as the
+    dot's."""
+    (lc, rc), (lb, rb) = dims
+    lkept, rkept = _remaining(lhs.ndim, lc, lb), _remaining(rhs.ndim, rc, rb)
+    size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
+    batch, m, k, n = size(lhs, lb), size(lhs, lkept), size(lhs, lc), size(rhs, rkept)
+    a = jnp.transpose(lhs, (*lb, *lkept, *lc)).reshape(batch, m, k)
+    b = jnp.transpose(rhs, (*rb, *rc, *rkept)).reshape(batch, k, n)
+    out = _mx_bmm(pref, cudnn, a, b, sink)
+    shape = [lhs.shape[d] for d in (*lb, *lkept)] + [rhs.shape[d] for d in rkept]
+    return out.reshape(shape)
+
+
+def dot_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> tuple[int, ...]:
+    """(M, K, N) of a dot_general: its lhs's free size, contracted size, rhs's free size."""
+    (lc, rc), (lb, rb) = dims
+    m = int(np.prod([lhs_shape[d] for d in _remaining(len(lhs_shape), lc, lb)], dtype=np.int64))
+    k = int(np.prod([lhs_shape[d] for d in lc], dtype=np.int64))
+    n = int(np.prod([rhs_shape[d] for d in _remaining(len(rhs_shape), rc, rb)], dtype=np.int64))
+    return m, k, n

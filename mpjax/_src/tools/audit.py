@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from mpjax._src import hardware
 from mpjax._src.interpreter.autocast_api import flat_call
 from mpjax._src.interpreter.values import is_dynamic
 from mpjax._src.tools import gpu_program, tpu_program
@@ -122,7 +123,9 @@ def audit(
         args, kwargs = tpu_program.on_target((args, kwargs), target)
     elif target is not None:  # on that GPU
         args, kwargs = gpu_program.on_target((args, kwargs), target)
-    lowered = _lower(fn, args, kwargs)
+    config = None if target is None or on_tpu else gpu_program.target_config(target)
+    with hardware.tracing_for(config):
+        lowered = _lower(fn, args, kwargs)
     found = read_module(lowered.compiler_ir("stablehlo"))
     compiled = None
     if target is not None:

@@ -58,6 +58,9 @@ B200 = (
     .replace("device_memory_size: 84929347584", "device_memory_size: 191514689536")
     .replace("cuda_compute_capability { major: 9 }", "cuda_compute_capability { major: 10 }")
     .replace("NVIDIA H100 80GB HBM3", "NVIDIA B200")
+    # the cuDNN jax[cuda12] installs today: XLA makes block-scaled dots cuDNN's from 9.10
+    # (with an older one it dequantizes them silently into a float32 gemm)
+    .replace("dnn_version_info { major: 9 minor: 7 }", "dnn_version_info { major: 9 minor: 28 }")
 )
 
 # An H200 (Hopper, as the H100, with 141 GB of HBM3e at 4.8 TB/s): the GPU this project's
@@ -139,9 +142,14 @@ def _topology(config: str) -> Any:
 _SHARDINGS: dict[str, Any] = {}
 
 
+def target_config(target: str) -> str:
+    """The GpuTargetConfig text of `target` (a name in TARGETS, or the text itself)."""
+    return TARGETS.get(target_name(target), target)
+
+
 def _sharding(target: str) -> Any:
     """A replicated sharding on `target`'s one compile-only device."""
-    config = TARGETS.get(target_name(target), target)
+    config = target_config(target)
     if "gpu_device_info" not in config:
         raise ValueError(
             f"unknown GPU target {target!r}: use one of {sorted(TARGETS)} or pass a "
@@ -362,6 +370,8 @@ def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, 
             return "conv", ()
         if target.startswith("__cudnn$fmha"):  # cuDNN's fused attention, forward or backward
             return "attention", ()
+        if target.startswith("__cudnn$blockScaledDot"):  # MXFP8/NVFP4: a gemm scaling blocks
+            return "gemm", ()
         return "custom-call", ()
     if ins.opcode == "fusion":
         called = _called(attrs)
@@ -414,6 +424,14 @@ def _dot_flops(shape: str, lhs_shape: str, contracting: list[int]) -> float:
 def _gemm_flops(ins: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> float:
     """The FLOPs of a gemm kernel: a cuBLAS call (its backend config names the lhs's
     contracting dimensions) or a fusion around a dot."""
+    if ins.opcode == "custom-call" and "blockScaledDot" in ins.attrs:
+        # [B, M, K] x [B, N, K] -> [B, M, N], the block scales beside
+        lhs = _arrays(comp.shapes.get(ins.operands[0], "")) if ins.operands else []
+        return (
+            _dot_flops(ins.shape, comp.shapes.get(ins.operands[0], ""), [len(lhs[0][1]) - 1])
+            if lhs
+            else 0.0
+        )
     if ins.opcode == "custom-call":
         found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
         if not found or not ins.operands:
