@@ -48,6 +48,8 @@ RECIPES = {
     "FP8 delayed": mpjax.fp8.DelayedScaling(),
     "FP8 current": mpjax.fp8.CurrentScaling(),
     "FP8 current per row": mpjax.fp8.CurrentScaling(granularity="row"),
+    # Blackwell's recipe: cuDNN block-scaled dots on a B200, emulated elsewhere (an H100)
+    "MXFP8": mpjax.fp8.MXFP8BlockScaling(),
 }
 
 

@@ -23,8 +23,9 @@ from mpjax._src.tools.gpu_program import GpuProgram, Roofline
 # bfloat16 FLOP/s and HBM bandwidth at the fractions an H200 measured of its own (0.71 of the
 # peak, 0.84 of the bandwidth; RESULTS.md's GPU section): no TPU measurement has checked them.
 # A float32 matmul runs at the bfloat16 rate (JAX's default precision on a TPU is one
-# bfloat16 pass), and FP8 operands too (these chips' MXUs take no float8). A fusion costs 1 us
-# beyond its roofline (a TPU launches no kernels; its fusions run back to back).
+# bfloat16 pass), and FP8 operands too before TPU7x (those chips' MXUs take no float8). A
+# fusion costs 1 us beyond its roofline (a TPU launches no kernels; its fusions run back to
+# back).
 CHIPS: dict[str, tuple[str, Roofline]] = {
     # v5e: 197 TFLOP/s bf16, 819 GB/s
     "v5e": ("v5e:2x2", Roofline(140e12, 140e12, 140e12, 688e9, 1e-6)),
@@ -32,6 +33,9 @@ CHIPS: dict[str, tuple[str, Roofline]] = {
     "v5p": ("v5p:2x2x1", Roofline(326e12, 326e12, 326e12, 2323e9, 1e-6)),
     # v6e (Trillium): 918 TFLOP/s, 1640 GB/s
     "v6e": ("v6e:2x2", Roofline(652e12, 652e12, 652e12, 1378e9, 1e-6)),
+    # TPU7x (Ironwood), the first TPU whose MXUs take float8: 2307 TFLOP/s bf16, 4614 FP8,
+    # 7370 GB/s ("tpu7x"; libtpu's topology is "tpu7x:2x2x1")
+    "7x": ("tpu7x:2x2x1", Roofline(1638e12, 3276e12, 1638e12, 6191e9, 1e-6)),
 }
 
 
@@ -53,7 +57,7 @@ def parse(target: str) -> tuple[str, str, bool]:
         )
     if not shape:
         return chip, CHIPS[chip][0], False
-    return chip, f"{chip}:{shape}", True
+    return chip, f"{CHIPS[chip][0].split(':')[0]}:{shape}", True
 
 
 def _install_hint() -> str:
