@@ -90,9 +90,19 @@ def abstract_step(size: str, recipe: Any) -> tuple[Any, tuple[Any, ...]]:
     return (step if recipe is None else fp8_step), args
 
 
-def measure(size: str, target: str = "h100") -> dict[str, Any]:
+# Hopper's recipes: MXFP8 is Blackwell's (on an H100 its gemms are emulated)
+HOPPER = ("O2 bfloat16", "FP8 delayed", "FP8 current", "FP8 current per row")
+
+
+def measure(
+    size: str, target: str = "h100", names: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The rows of `size`'s step under each recipe (those `names`, else all) in `target`'s
+    program."""
     rows = {}
     for name, recipe in RECIPES.items():
+        if names is not None and name not in names:
+            continue
         start = time.perf_counter()
         step, args = abstract_step(size, recipe)
         program = mpjax.audit(step, *args, target=target).gpu

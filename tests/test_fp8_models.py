@@ -254,11 +254,13 @@ def _grid():
         ("linen MHA x2, tied", "O1", "row", True),
     }
     fast |= {(m, "O2", "mx", False) for m in ("linen MHA x2, tied", "nnx MHA, remat, tied")}
-    fast |= {("function scan(checkpoint)", "O1", "mx", True)}
+    fast |= {("function scan(checkpoint)", "O2", "mx", True)}
     out = []
     for model in CASES:
         for level in ("O1", "O2"):
             for recipe in RECIPES:
+                if recipe == "mx" and level == "O1":
+                    continue  # MXFP8's dots are O1's and O2's alike: O2 only, for CI's time
                 for batched in (False, True):
                     cell = (model, level, recipe, batched)
                     marks = [] if cell in fast else [pytest.mark.slow]

@@ -666,7 +666,9 @@ def test_corpus_models_train_in_bfloat16_as_float32_masters_do(name):
 def test_half_params_example_quick(tmp_path):
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
     example = pytest.importorskip("half_params")
-    results = example.main(["--quick", "--seeds", "1", "--out", str(tmp_path)])
+    # a smoke run: one epoch of digits and a few LM steps (the example's --quick is longer)
+    argv = ["--quick", "--seeds", "1", "--digits-epochs", "1", "--lm-steps", "5"]
+    results = example.main([*argv, "--out", str(tmp_path)])
     assert (tmp_path / "half_params.png").stat().st_size > 10_000
     assert (tmp_path / "half_params.json").exists()
     runs = {r["run"] for r in results["runs"]}
