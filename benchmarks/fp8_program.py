@@ -9,6 +9,7 @@ launch).
     python benchmarks/fp8_program.py                    # d_model 4096 and the GPU benchmark's
     python benchmarks/fp8_program.py --size large --json out.json
     python benchmarks/fp8_program.py --target b200      # a B200's program and roofline
+    python benchmarks/fp8_program.py --target tpu7x     # a TPU7x's (libtpu: jax[tpu])
 
 Sizes: ``large`` is d_model 4096, 2 layers, 32 heads, 4 x 1024 tokens (where FP8 should pay:
 the gemms dominate); ``gpu`` is ``models.py``'s Transformer at ``--size gpu`` (d_model 2048, 8
@@ -105,7 +106,8 @@ def measure(
             continue
         start = time.perf_counter()
         step, args = abstract_step(size, recipe)
-        program = mpjax.audit(step, *args, target=target).gpu
+        report = mpjax.audit(step, *args, target=target)
+        program = report.gpu or report.tpu
         assert program is not None
         rows[name] = {
             "kernels": len(program.kernels),
@@ -135,7 +137,8 @@ def markdown(result: dict[str, Any]) -> str:
     out = [
         f"{result['target'].upper()} program, GPT-style LM d_model {width}, {depth} layers, "
         f"{heads} heads, "
-        f"{batch} x {seq} tokens, Adam (cuBLAS gemms):",
+        f"{batch} x {seq} tokens, Adam"
+        + (":" if result["target"].startswith("tpu") else " (cuBLAS gemms):"),
         "",
         "| step | kernels | GB moved | compiled temp | modeled ms | gemm ms | vs O2 bf16 |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -153,7 +156,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=SIZES, action="append")
-    parser.add_argument("--target", choices=["h100", "b200"], action="append")
+    parser.add_argument("--target", choices=["h100", "b200", "tpu7x"], action="append")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args(argv)
     results = [

@@ -6,8 +6,8 @@ transformation. ``import mpjax as jmp`` works: jmp's public names behave as jmp'
 
 from mpjax._src.hardware import HardwareWarning
 from mpjax._src.hardware import advice as hardware_advice
-from mpjax._src.interpreter.autocast import UntouchedWarning
 from mpjax._src.interpreter.autocast_api import autocast
+from mpjax._src.interpreter.first_order import UntouchedWarning
 from mpjax._src.interpreter.ops import F32_OPS, LOWER_OPS
 from mpjax._src.interpreter.regions import full_precision, half_precision
 from mpjax._src.levels import LEVELS

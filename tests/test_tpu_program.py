@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import mpjax
-from mpjax._src.tools import gpu_program, tpu_program
+from mpjax._src.tools import gpu_flops, gpu_program, tpu_program
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed")
@@ -63,9 +63,9 @@ def test_tpu_hlo_reads_as_fusions_with_hbm_bytes_and_matmul_flops():
 
 def test_window_taps_count_only_input_elements():
     # a dense window over a padded input: interior positions see 3 taps, the edges 2
-    assert gpu_program._taps(4, 3, 1, 1, 1, 1, 4) == 3 * 4 - 2
+    assert gpu_flops._taps(4, 3, 1, 1, 1, 1, 4) == 3 * 4 - 2
     # the batched-matmul form: window 4 over an input dilated by 4, one tap per output
-    assert gpu_program._taps(4, 4, 3, 0, 4, 1, 4) == 4
+    assert gpu_flops._taps(4, 4, 3, 0, 4, 1, 4) == 4
 
 
 def test_tpu_targets_by_name():
@@ -290,7 +290,7 @@ def test_tpu7x_target_runs_fp8_gemms_and_times_them_at_its_fp8_peak():
     pol = mpjax.fp8.policy("O2")
     state = mpjax.fp8.init(loss, pol, params, x)
     fp8 = mpjax.audit(mpjax.fp8.scaled_value_and_grad(loss, pol), state, params, x, target="tpu7x")
-    assert o2.tpu.target == "tpu-7x" and o2.tpu.gemm_dtypes() == {"bf16 x bf16": 5}
+    assert o2.tpu.target == "tpu7x" and o2.tpu.gemm_dtypes() == {"bf16 x bf16": 5}
     gemms = fp8.tpu.gemm_dtypes()
     assert sum(gemms.values()) == 5 and all(k.startswith("f8") for k in gemms), gemms
     line = tpu_program.CHIPS["7x"][1]

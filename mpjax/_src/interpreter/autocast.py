@@ -28,6 +28,7 @@ from mpjax._src.interpreter.first_order import (
     NOT_REBUILT,
     Rule,
     Step,
+    UntouchedWarning,
     bind_untouched,
     results,
     to_traced,
@@ -46,23 +47,6 @@ from mpjax._src.interpreter.values import (
     is_value,
 )
 from mpjax._src.policy import Policy
-
-
-class UntouchedWarning(UserWarning):
-    """A sub-program autocast meant to run under the policy runs in its traced dtypes
-    instead: a body it could not rebuild, or a fused kernel (Pallas, cuDNN) that fails with
-    half operands. The audit lists each (``AuditReport.untouched``), with the reason;
-    ``autocast(..., strict=True)`` raises instead of warning.
-
-    Example:
-      >>> import warnings, jax.numpy as jnp, mpjax
-      >>> with warnings.catch_warnings():
-      ...     warnings.simplefilter("error", mpjax.UntouchedWarning)  # fail on any
-      ...     warnings.simplefilter("ignore", mpjax.HardwareWarning)
-      ...     y = mpjax.autocast(jnp.tanh, mpjax.Policy.from_level("O2"))(jnp.ones(2))
-      >>> y.dtype
-      dtype('float32')
-    """
 
 
 class Context:

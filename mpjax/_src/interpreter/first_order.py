@@ -69,6 +69,24 @@ Rule = Callable[[Step, list[jc.Value]], Results]
 # The first-order rules, by primitive. autocast.RULES extends them with the higher-order ones.
 RULES = interpret.Registry()
 
+
+class UntouchedWarning(UserWarning):
+    """A sub-program autocast meant to run under the policy runs in its traced dtypes
+    instead: a body it could not rebuild, or a fused kernel (Pallas, cuDNN) that fails with
+    half operands. The audit lists each (``AuditReport.untouched``), with the reason;
+    ``autocast(..., strict=True)`` raises instead of warning.
+
+    Example:
+      >>> import warnings, jax.numpy as jnp, mpjax
+      >>> with warnings.catch_warnings():
+      ...     warnings.simplefilter("error", mpjax.UntouchedWarning)  # fail on any
+      ...     warnings.simplefilter("ignore", mpjax.HardwareWarning)
+      ...     y = mpjax.autocast(jnp.tanh, mpjax.Policy.from_level("O2"))(jnp.ones(2))
+      >>> y.dtype
+      dtype('float32')
+    """
+
+
 UNTOUCHED_SCOPE = "mpjax_untouched"
 # The scope's suffix for a body autocast meant to rebuild and could not (see untouched_reason).
 NOT_REBUILT = "not-rebuilt"

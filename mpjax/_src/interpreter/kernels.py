@@ -46,6 +46,7 @@ import numpy as np
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
 from mpjax._src.interpreter import regions
+from mpjax._src.interpreter.first_order import NO_HALF_KERNEL, UNTOUCHED_SCOPE, UntouchedWarning
 from mpjax._src.interpreter.rules import op_lists
 from mpjax._src.policy import Policy
 
@@ -147,9 +148,6 @@ def _call_in_half(
     except _KernelSeen:
         raise
     except Exception as e:  # noqa: BLE001 - any failure in half: run it as written
-        from mpjax._src.interpreter.autocast import UntouchedWarning
-        from mpjax._src.interpreter.first_order import NO_HALF_KERNEL, UNTOUCHED_SCOPE
-
         warnings.warn(
             f"mpjax.autocast: the kernel {name} cannot take {dtype.name} operands "
             f"({type(e).__name__}: {e}); it runs as written, in {wide[0].name}. The audit "

@@ -20,6 +20,24 @@ from typing import Any
 
 import jax
 
+from mpjax._src.tools.gpu_flops import _flops
+from mpjax._src.tools.hlo_text import (
+    _COLLECTIVES,
+    _CONTROL,
+    _DMA,
+    _FLOATS,
+    _FREE,
+    _arrays,
+    _bytes,
+    _called,
+    _Computation,
+    _dtype_of,
+    _element_bits,
+    _find,
+    _Instr,
+    _parse,
+)
+
 # A GpuTargetConfig text proto (xla/stream_executor/device_description.proto) for an H100 SXM,
 # as openxla/xla#25919 and jax-ml/jax#28376 show one.
 H100 = """
@@ -190,173 +208,6 @@ def compile_lowered(
 
 # -- reading the optimized HLO -------------------------------------------------------------
 
-_BITS = {"pred": 8, "token": 0}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
-_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
-_CALLS = re.compile(
-    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation|"
-    r"branch_computations)=(\{[^}]*\}|%?[^\s,}]+)"
-)
-# Instructions that launch nothing.
-_FREE = {
-    "parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier",
-    "after-all", "add-dependency", "domain", "partition-id", "replica-id",
-}  # fmt: skip
-_CONTROL = {"call", "while", "conditional", "async-start"}
-# A TPU's DMAs between its memory (HBM) and a core's: they move what they write on chip.
-_DMA = {"copy-start", "slice-start", "dynamic-slice-start"}
-_COLLECTIVES = {
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-    "collective-broadcast", "ragged-all-to-all",
-}  # fmt: skip
-_FLOATS = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
-
-
-def _element_bits(dtype: str) -> int:
-    if dtype in _BITS:
-        return _BITS[dtype]
-    m = re.match(r"[a-z]+?(\d+)", dtype)  # f8e4m3fn -> 8, s4 -> 4, bf16 -> 16
-    return int(m.group(1)) if m else 0
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(shape)]
-
-
-# An array with its layout: a TPU layout names the memory space, S(1) being the core's own
-# memory (VMEM), whose traffic is not the HBM's.
-_PLACED = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
-
-
-def _bytes(shape: str, library: bool = False, on_chip: bool = False) -> int:
-    """The bytes of `shape`'s arrays in device memory (HBM), or with `on_chip` those in a
-    TPU core's own memory (the destinations of its DMAs)."""
-    arrays = [
-        (t, tuple(int(d) for d in dims.split(",") if d), "S(1)" in layout)
-        for t, dims, layout in _PLACED.findall(shape)
-    ]
-    if library and shape.startswith("(") and len(arrays) > 1 and arrays[-1][0] == "s8":
-        arrays = arrays[:-1]  # a cuBLAS or cuDNN call's scratch workspace
-    return sum(math.prod(d) * _element_bits(t) // 8 for t, d, vmem in arrays if vmem == on_chip)
-
-
-def _close(s: str, i: int) -> int:
-    depth = 0
-    for j in range(i, len(s)):
-        if s[j] in "([{":
-            depth += 1
-        elif s[j] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j
-    return len(s) - 1
-
-
-@dataclasses.dataclass
-class _Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: list[str]
-    attrs: str
-
-
-@dataclasses.dataclass
-class _Computation:
-    entry: bool
-    instrs: list[_Instr] = dataclasses.field(default_factory=list)
-    shapes: dict[str, str] = dataclasses.field(default_factory=dict)
-
-
-def _parse(text: str) -> dict[str, _Computation]:
-    comps: dict[str, _Computation] = {}
-    cur: _Computation | None = None
-    for line in text.splitlines():
-        if cur is None:
-            h = _HEADER.match(line)
-            if h:
-                cur = comps[h.group(2)] = _Computation(bool(h.group(1)))
-            continue
-        if line.strip() == "}":
-            cur = None
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, rest = m.group(2), m.group(3)
-        if rest.startswith("("):
-            j = _close(rest, 0)
-            shape, rest = rest[: j + 1], rest[j + 1 :].lstrip()
-        else:
-            shape, _, rest = rest.partition(" ")
-        op = re.match(r"([\w\-$.]+)\(", rest)
-        if not op:
-            continue
-        j = _close(rest, op.end() - 1)
-        operands = _operand_names(rest[op.end() : j])
-        cur.shapes[name] = shape
-        cur.instrs.append(_Instr(name, shape, op.group(1), operands, rest[j + 1 :]))
-    return comps
-
-
-def _operand_names(inside: str) -> list[str]:
-    """The operand names of an instruction's parenthesis: ``f32[8]{0} %a, %b`` (optimized
-    text) or ``a, b`` (a lowering's text). XLA marks every fifth operand of a long list with
-    a comment (``/*index=5*/%f``), which is not part of the name."""
-    inside = re.sub(r"/\*.*?\*/", "", inside)
-    names, depth, start = [], 0, 0
-    for i, c in enumerate(inside + ","):
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c == "," and depth == 0:
-            piece = inside[start:i].strip()
-            if piece:
-                names.append(piece.split()[-1].lstrip("%"))
-            start = i + 1
-    return names
-
-
-def _called(attrs: str) -> list[str]:
-    return [
-        n.strip().lstrip("%")
-        for group in _CALLS.findall(attrs)
-        for n in group.strip("{}").split(",")
-        if n.strip()
-    ]
-
-
-def _find_all(comps: dict[str, _Computation], names: list[str], opcode: str) -> list[_Instr]:
-    """The `opcode` instructions in computations `names` and those they call."""
-    seen: set[str] = set()
-    todo, found = list(names), []
-    while todo:
-        n = todo.pop()
-        if n in seen or n not in comps:
-            continue
-        seen.add(n)
-        for ins in comps[n].instrs:
-            if ins.opcode == opcode:
-                found.append(ins)
-            todo += _called(ins.attrs)
-    return found
-
-
-def _find(comps: dict[str, _Computation], names: list[str], opcode: str) -> _Instr | None:
-    """The first `opcode` instruction in computations `names` or those they call."""
-    return next(iter(_find_all(comps, names, opcode)), None)
-
-
-def _dtype_of(comps: dict[str, _Computation], names: list[str], operand: str) -> str:
-    for n in names:
-        if n in comps and operand in comps[n].shapes:
-            arrays = _arrays(comps[n].shapes[operand])
-            if arrays:
-                return arrays[0][0]
-    return "?"
-
 
 def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, ...]]:
     """The kernel's kind and, for a gemm, its operands' element types."""
@@ -410,142 +261,6 @@ def _kind(ins: _Instr, comps: dict[str, _Computation]) -> tuple[str, tuple[str, 
     if base in _COLLECTIVES:
         return "collective", ()
     return ins.opcode, ()
-
-
-def _dot_flops(shape: str, lhs_shape: str, contracting: list[int]) -> float:
-    """2 * result elements * contracted size: a gemm's multiply-adds, counted twice."""
-    out, lhs = _arrays(shape), _arrays(lhs_shape)
-    if not out or not lhs:
-        return 0.0
-    k = math.prod(lhs[0][1][d] for d in contracting if d < len(lhs[0][1]))
-    return 2.0 * math.prod(out[0][1]) * k
-
-
-def _gemm_flops(ins: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> float:
-    """The FLOPs of a gemm kernel: a cuBLAS call (its backend config names the lhs's
-    contracting dimensions) or a fusion around a dot."""
-    if ins.opcode == "custom-call" and "blockScaledDot" in ins.attrs:
-        # [B, M, K] x [B, N, K] -> [B, M, N], the block scales beside
-        lhs = _arrays(comp.shapes.get(ins.operands[0], "")) if ins.operands else []
-        return (
-            _dot_flops(ins.shape, comp.shapes.get(ins.operands[0], ""), [len(lhs[0][1]) - 1])
-            if lhs
-            else 0.0
-        )
-    if ins.opcode == "custom-call":
-        found = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
-        if not found or not ins.operands:
-            return 0.0
-        dims = [int(d.strip().strip('"')) for d in found.group(1).split(",") if d.strip()]
-        return _dot_flops(ins.shape, comp.shapes.get(ins.operands[0], ""), dims)
-    dot = _find(comps, _called(ins.attrs), "dot")
-    if dot is None or not dot.operands:
-        return 0.0
-    found = re.search(r"lhs_contracting_dims=\{([^}]*)\}", dot.attrs)
-    dims = [int(d) for d in found.group(1).split(",") if d.strip()] if found else []
-    scope = next((c for c in comps.values() if dot.operands[0] in c.shapes), None)
-    return _dot_flops(dot.shape, scope.shapes[dot.operands[0]] if scope else "", dims)
-
-
-def _conv_flops(ins: _Instr, comp: _Computation) -> float:
-    """2 * output elements * window size * input features / groups (XLA's HloCostAnalysis
-    rule), read from a cuDNN convolution call's ``window=`` and ``dim_labels=``: forward,
-    backward-input and backward-filter calls alike are each a convolution of their operands,
-    with the forward's labels."""
-    window = re.search(r"window=\{size=([\dx]+)", ins.attrs)
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.attrs)
-    if not window or not labels or not ins.operands:
-        return 0.0
-    shapes = [_arrays(comp.shapes.get(o, "")) for o in ins.operands[:2]]
-    ops = [a[0][1] if a else () for a in shapes]
-    result = _arrays(ins.shape)
-    res = result[0][1] if result else ()
-    if "BackwardInput" in ins.attrs:
-        lhs, out = res, ops[0]
-    elif "BackwardFilter" in ins.attrs and len(ops) > 1:
-        lhs, out = ops[0], ops[1]
-    else:
-        lhs, out = ops[0], res
-    f = labels.group(1).find("f")
-    if f < 0 or f >= len(lhs):
-        return 0.0
-    groups = re.search(r"feature_group_count=(\d+)", ins.attrs)
-    size = math.prod(int(n) for n in window.group(1).split("x"))
-    return 2.0 * math.prod(out) * size * lhs[f] / (int(groups.group(1)) if groups else 1)
-
-
-def _taps(out: int, size: int, stride: int, pad: int, lhs_dil: int, rhs_dil: int, n: int) -> int:
-    """Over one spatial dimension of a convolution, the (output position, window tap) pairs
-    that meet an input element (not padding, not a hole of lhs dilation)."""
-    hits = [p * stride + k * rhs_dil - pad for p in range(out) for k in range(size)]
-    return sum(1 for x in hits if 0 <= x <= (n - 1) * lhs_dil and x % lhs_dil == 0)
-
-
-def _window(attrs: str, key: str, dims: int, default: int) -> list[int]:
-    found = re.search(rf"\b{key}=([\dx_-]+)", attrs)  # a pad's low side ("1_2" is 1)
-    return [int(v.split("_")[0]) for v in found.group(1).split("x")] if found else [default] * dims
-
-
-def _fused_conv_flops(conv: _Instr, comps: dict[str, _Computation]) -> float:
-    """A convolution op's FLOPs, counting only products with input elements: a TPU runs its
-    batched matmuls as convolutions whose window walks a dilated input, mostly holes."""
-    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", conv.attrs)
-    if not labels or len(conv.operands) < 2:
-        return 0.0
-    scope = next((c for c in comps.values() if conv.operands[0] in c.shapes), None)
-    if scope is None:
-        return 0.0
-    lhs_l, rhs_l, out_l = labels.groups()
-    lhs = (_arrays(scope.shapes[conv.operands[0]]) or [("", ())])[0][1]
-    rhs = (_arrays(scope.shapes.get(conv.operands[1], "")) or [("", ())])[0][1]
-    out = (_arrays(conv.shape) or [("", ())])[0][1]
-    if len(lhs) != len(lhs_l) or len(rhs) != len(rhs_l) or len(out) != len(out_l):
-        return 0.0
-    spatial = sorted(c for c in out_l if c.isdigit())
-    size = _window(conv.attrs, "size", len(spatial), 1)
-    stride = _window(conv.attrs, "stride", len(spatial), 1)
-    lhs_dil = _window(conv.attrs, "lhs_dilate", len(spatial), 1)
-    rhs_dil = _window(conv.attrs, "rhs_dilate", len(spatial), 1)
-    pad = _window(conv.attrs, "pad", len(spatial), 0)
-    pairs = math.prod(
-        _taps(out[out_l.index(d)], size[i], stride[i], pad[i], lhs_dil[i], rhs_dil[i],
-              lhs[lhs_l.index(d)])
-        for i, d in enumerate(spatial)
-    )  # fmt: skip
-    return 2.0 * pairs * out[out_l.index("b")] * out[out_l.index("f")] * rhs[rhs_l.index("i")]
-
-
-def _flops(kind: str, ins: _Instr, comp: _Computation, comps: dict[str, _Computation]) -> float:
-    """A kernel's gemm or cuDNN convolution FLOPs; 0 for any other kernel."""
-    if kind == "gemm" and ins.opcode == "fusion" and "kind=kOutput" in ins.attrs:
-        # a TPU fusion: its matmuls, a recomputed forward one included
-        convs = _find_all(comps, _called(ins.attrs), "convolution")
-        if convs:
-            return sum(_fused_conv_flops(c, comps) for c in convs)
-    if kind == "gemm":
-        return _gemm_flops(ins, comp, comps)
-    if kind == "conv" and ins.opcode == "custom-call":
-        return _conv_flops(ins, comp)
-    if kind == "attention":
-        return _attention_flops(ins, comp)
-    return 0.0
-
-
-def _attention_flops(ins: _Instr, comp: _Computation) -> float:
-    """A cuDNN fused attention's matmul FLOPs, from its shapes: each of its matmuls is 2 * B *
-    H * T * S * D (the scores' B, H, T, S from its backend config, D the query's last
-    dimension): two forward (QK^T, PV), five backward (the scores again, dV, dP, dQ, dK); half
-    of them under a causal mask, whose masked blocks it skips."""
-    scores = re.search(
-        r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]', ins.attrs
-    )
-    query = _arrays(comp.shapes.get(ins.operands[0], "")) if ins.operands else []
-    if not scores or not query or not query[0][1]:
-        return 0.0
-    area = math.prod(int(d.strip().strip('"')) for d in scores.group(1).split(",") if d.strip())
-    matmuls = 5 if "Backward" in ins.attrs.split("custom_call_target=", 1)[-1][:60] else 2
-    causal = 0.5 if re.search(r'"mask_type":\s*"[A-Z_]*CAUSAL', ins.attrs) else 1.0
-    return 2.0 * matmuls * area * query[0][1][-1] * causal
 
 
 @dataclasses.dataclass(frozen=True)

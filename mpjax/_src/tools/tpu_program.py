@@ -39,6 +39,11 @@ CHIPS: dict[str, tuple[str, Roofline]] = {
 }
 
 
+def display(chip: str) -> str:
+    """A chip's target name: "tpu-v5e", and "tpu7x" as Google writes TPU7x."""
+    return f"tpu{chip}" if chip[0].isdigit() else f"tpu-{chip}"
+
+
 def is_tpu(target: str) -> bool:
     """Whether `target` names a TPU ("tpu-v5e", "TPU-v6e:4x4", ...)."""
     return target.strip().lower().startswith("tpu")
@@ -52,7 +57,7 @@ def parse(target: str) -> tuple[str, str, bool]:
     if chip not in CHIPS:
         raise ValueError(
             f"unknown TPU target {target!r}: use one of "
-            f"{', '.join('tpu-' + c for c in CHIPS)} (one chip), or a slice of one as "
+            f"{', '.join(display(c) for c in CHIPS)} (one chip), or a slice of one as "
             "'tpu-v5e:2x4' (libtpu's topology names; v5p takes three dimensions, 'tpu-v5p:2x2x2')."
         )
     if not shape:
@@ -108,7 +113,7 @@ def mesh(target: str, shape: tuple[int, ...], names: tuple[str, ...]) -> jax.sha
       >>> import mpjax
       >>> mpjax.target_mesh("tpu-v9:2x2", (4,), ("data",))
       Traceback (most recent call last):
-      ValueError: unknown TPU target 'tpu-v9:2x2': use one of tpu-v5e, tpu-v5p, tpu-v6e ...
+      ValueError: unknown TPU target 'tpu-v9:2x2': use one of tpu-v5e, tpu-v5p, tpu-v6e, tpu7x ...
 
       With libtpu installed, a data-parallel step on eight v5e chips::
 
@@ -174,5 +179,6 @@ def read_program(lowered: Any, compiled: Any, text: str, target: str) -> TpuProg
     base = gpu_program.read_program(lowered, compiled, text, "h100", "tpu")
     chip, name, whole = parse(target)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
-    fields["target"] = f"tpu-{name}" if whole else f"tpu-{chip}"
+    shape = name.partition(":")[2]
+    fields["target"] = f"{display(chip)}:{shape}" if whole else display(chip)
     return TpuProgram(**fields, chips=len(topology(target).devices) if whole else 1)
