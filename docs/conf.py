@@ -9,6 +9,7 @@ project = "mpjax"
 author = "The mpjax authors"
 copyright = "2026, The mpjax authors"  # noqa: A001 (Sphinx's name)
 release = mpjax.__version__
+version = release
 
 extensions = [
     "sphinx.ext.autodoc",
@@ -32,7 +33,7 @@ napoleon_use_rtype = False
 napoleon_use_ivar = True  # "Attributes:" as fields, so NamedTuple fields are not described twice
 
 html_theme = "sphinx_book_theme"
-html_title = "mpjax"
+html_title = f"mpjax {release}"  # every page says which version it documents
 html_theme_options = {"show_toc_level": 2}
 html_static_path = ["_static"]
 html_css_files = ["mpjax.css"]  # code and tables wrap at a 1280-pixel window

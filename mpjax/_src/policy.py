@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpjax._src import levels
+from mpjax._src import deprecations, levels
 from mpjax._src.interpreter import ops
 from mpjax._src.scaling import loss_scale as loss_scale_lib
 
@@ -615,13 +615,13 @@ def _renamed_loss_scale(loss_scaling: Any, loss_scale: Any) -> Any:
             "from_level got both loss_scaling= and loss_scale= (its old name); pass "
             "loss_scaling= only."
         )
-    warnings.warn(
-        "Policy.from_level(loss_scale=...) is renamed loss_scaling=, the name of the "
-        "Policy field it sets (one name per job); loss_scale= goes in the next release.",
-        FutureWarning,
-        stacklevel=3,
-    )
+    warnings.warn(_LOSS_SCALE_RENAMED, FutureWarning, stacklevel=3)
     return loss_scale
+
+
+_LOSS_SCALE_RENAMED = deprecations.deprecate(
+    "Policy.from_level(..., loss_scale=...)", "Policy.from_level(..., loss_scaling=...)"
+)
 
 
 _JMP_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")

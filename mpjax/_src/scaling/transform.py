@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from mpjax._src import deprecations
 from mpjax._src.dtypes import is_half, is_inexact
 from mpjax._src.optim.half_params import arrays_of, check_inner
 from mpjax._src.scaling import loss_scale as ls_lib
@@ -723,17 +724,18 @@ def renamed(old: str, new: str, fn: Any) -> Any:
     """`fn` under its old public name `old`: it works for one release and warns, once per
     call site, with the new name."""
 
+    message = deprecations.deprecate(old, new)
+
     def alias(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(
-            f"{old} is renamed {new} (one name per job); {old} goes in the next release.",
-            FutureWarning,
-            stacklevel=2,
-        )
+        warnings.warn(message, FutureWarning, stacklevel=2)
         return fn(*args, **kwargs)
 
     alias.__name__ = old.rsplit(".", 1)[-1]
     alias.__qualname__ = alias.__name__
-    alias.__doc__ = f"Renamed :func:`{new}`; this name warns and goes in the next release."
+    alias.__doc__ = (
+        f"Deprecated: renamed :func:`{new}`; this name warns and is removed in mpjax "
+        f"{deprecations.REMOVED_IN}."
+    )
     return alias
 
 
