@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from mpjax._src import hardware, levels
 from mpjax._src.float8.fp8_dot import (
@@ -252,7 +253,7 @@ class FP8Policy:
 
 def policy(
     level: str = "O1",
-    half_dtype: Any = "bfloat16",
+    half_dtype: DTypeLike = "bfloat16",
     recipe: Recipe | None = None,
     *,
     batched_dots: bool = False,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import DTypeLike
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -26,7 +27,7 @@ def finite_max(dtype: Any) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def qdq(x: jax.Array, q_dtype: Any, scale: jax.Array) -> jax.Array:
+def qdq(x: jax.Array, q_dtype: DTypeLike, scale: jax.Array) -> jax.Array:
     """Quantizes `x` to `q_dtype` with `scale` (saturating) and dequantizes it to x's dtype.
 
     The same arithmetic as ``flax.linen.fp8_ops.qdq(x, q_dtype, 1 / scale, x.dtype)``: flax

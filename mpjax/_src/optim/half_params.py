@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import ArrayLike, DTypeLike
 
 from mpjax._src import policy as policy_lib
 from mpjax._src.dtypes import is_float, is_half
@@ -37,7 +38,7 @@ def _round_target(dtype: Any, arg: str = "dtype") -> np.dtype:
     return dtype
 
 
-def stochastic_round(key: jax.Array, x: Any, dtype: Any) -> jax.Array:
+def stochastic_round(key: jax.Array, x: ArrayLike, dtype: DTypeLike) -> jax.Array:
     """Rounds `x` to `dtype` stochastically: up or down with odds that make it unbiased.
 
     Each element goes to one of the two `dtype` values around it, the upper one with
@@ -459,7 +460,7 @@ def half_updates(
     mode: str = "stochastic",
     *,
     key: jax.Array | int = 0,
-    state_dtype: Any = None,
+    state_dtype: DTypeLike | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Updates half-precision params without a float32 master copy, without losing updates.
 

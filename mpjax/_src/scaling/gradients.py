@@ -3,18 +3,20 @@ axis, in the policy's reduce dtype) and `accumulate_gradients` (micro-batch accu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from mpjax._src.dtypes import is_inexact
 
 
 def all_reduce_gradients(
-    axis_name: Any, *, dtype: Any = jnp.float32, mean: bool = True
+    axis_name: str | tuple[str, ...], *, dtype: DTypeLike = jnp.float32, mean: bool = True
 ) -> optax.GradientTransformation:
     """All-reduces gradients over a ``pmap``/``shard_map`` axis, in `dtype` (float32).
 
@@ -60,12 +62,12 @@ def all_reduce_gradients(
 
 
 def accumulate_gradients(
-    grad_fn: Any,
+    grad_fn: Callable[..., Any],
     params: Any,
     batch: Any,
     num_microbatches: int,
     *,
-    dtype: Any = jnp.float32,
+    dtype: DTypeLike = jnp.float32,
     mean: bool = True,
 ) -> Any:
     """Gradients of a batch computed over `num_microbatches` slices and summed in `dtype`.

@@ -7,7 +7,7 @@ import os
 import sys
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mpjax._src import deprecations
+from mpjax._src.deprecations import renamed
 from mpjax._src.dtypes import is_half, is_inexact
 from mpjax._src.optim.half_params import arrays_of, check_inner
 from mpjax._src.scaling import loss_scale as ls_lib
@@ -148,7 +148,7 @@ def loss_scale(
     *,
     scale: ls_lib.LossScale | None = None,
     track_nonfinite: bool = False,
-    axis_name: Any = None,
+    axis_name: str | tuple[str, ...] | None = None,
     check_updates: bool | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Loss scaling as an optax transformation: unscale, check finite, skip, adjust.
@@ -641,7 +641,9 @@ def _is_nnx(x: Any, kind: str) -> bool:
     return nnx is not None and isinstance(x, getattr(nnx, kind, ()))
 
 
-def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
+def scaled_value_and_grad(
+    fun: Callable[..., Any], *, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any]]:
     """Returns ``g(state, params, *args) -> (value, grads)``: the loss scaled, differentiated.
 
     One contract for optax, Flax linen and NNX. `state` holds the loss scale: an optimizer
@@ -718,25 +720,6 @@ def scaled_value_and_grad(fun: Any, *, has_aux: bool = False) -> Any:
         return out, grads
 
     return wrapped
-
-
-def renamed(old: str, new: str, fn: Any) -> Any:
-    """`fn` under its old public name `old`: it works for one release and warns, once per
-    call site, with the new name."""
-
-    message = deprecations.deprecate(old, new)
-
-    def alias(*args: Any, **kwargs: Any) -> Any:
-        warnings.warn(message, FutureWarning, stacklevel=2)
-        return fn(*args, **kwargs)
-
-    alias.__name__ = old.rsplit(".", 1)[-1]
-    alias.__qualname__ = alias.__name__
-    alias.__doc__ = (
-        f"Deprecated: renamed :func:`{new}`; this name warns and is removed in mpjax "
-        f"{deprecations.REMOVED_IN}."
-    )
-    return alias
 
 
 value_and_grad = renamed(
