@@ -736,3 +736,53 @@ def test_mxfp8_gemms_are_cudnn_block_scaled_dots_in_the_b200_program():
     assert b200.modeled_seconds() < 0.9 * o2.gpu.modeled_seconds()
     h100 = mpjax.audit(step, state, params, x, target="h100").gpu
     assert h100.gemm_dtypes() == {"bf16 x bf16": 5}
+
+
+@pytest.mark.slow
+@needs_cudnn
+def test_cudnn_attention_in_scanned_remat_layers_under_wrap():
+    """MaxText's layout: layers under ``nn.scan(nn.remat(...))`` whose attention is cuDNN's,
+    wrapped at O1 and O2: the scan body's forward kernel, its recomputation in the backward
+    pass and the backward kernel all take bfloat16 operands, and nothing is left untouched."""
+    import flax.linen as nn
+    import optax
+
+    import mpjax.flax
+
+    def cudnn_attention(query, key, value, mask=None, **kwargs):
+        return jax.nn.dot_product_attention(
+            query, key, value, is_causal=True, implementation="cudnn"
+        )
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            h = nn.LayerNorm()(x)
+            attention = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=cudnn_attention)
+            x = x + attention(h, h)
+            x = x + nn.Dense(512)(nn.gelu(nn.Dense(2048)(nn.LayerNorm()(x))))
+            return x, None
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(4096, 512)(tokens)
+            layers = nn.scan(
+                nn.remat(Layer), variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            x, _ = layers()(x, None)
+            return nn.Dense(4096)(nn.LayerNorm()(x))
+
+    tokens = jax.ShapeDtypeStruct((4, 1024), jnp.int32)
+    for level in ("O1", "O2"):
+        model = mpjax.flax.wrap(LM(), mpjax.Policy.from_level(level, "bfloat16"))
+        params = jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)["params"]
+
+        def loss(p, t):
+            logits = model.apply({"params": p}, t).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
+
+        report = mpjax.audit(jax.grad(loss), params, tokens, target="h100")
+        fused = [k.gemm_dtypes for k in report.gpu.kernels if k.kind == "attention"]
+        assert fused == [("bf16", "bf16")] * 3, (level, fused)
+        assert report.untouched == ()
