@@ -4,7 +4,7 @@ tensor) and per-row scales, each a custom derivative whose backward gemms are FP
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -268,19 +268,23 @@ def _rows_bwd(pref: Any, margin: int, res: Any, g: Any) -> Any:
 _fp8_bmm_rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def fp8_dot_rows(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
-    """fp8_dot_general with per-row current scales: the operands laid out as batched
-    matrices [B, M, K] and [B, K, N] (transposes and reshapes, which XLA folds into the
-    gemm's layout), multiplied by _fp8_bmm_rows, and the result laid out as the dot's."""
+def as_batched_matrices(dims: Any, lhs: Any, rhs: Any, bmm: Callable[[Any, Any], Any]) -> Any:
+    """A dot_general's result made by `bmm` of its operands laid out as batched matrices
+    [B, M, K] and [B, K, N] (transposes and reshapes, which XLA folds into the gemm's
+    layout), the result laid out as the dot's."""
     (lc, rc), (lb, rb) = dims
     lkept, rkept = _remaining(lhs.ndim, lc, lb), _remaining(rhs.ndim, rc, rb)
     size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
     batch, m, k, n = size(lhs, lb), size(lhs, lkept), size(lhs, lc), size(rhs, rkept)
     a = jnp.transpose(lhs, (*lb, *lkept, *lc)).reshape(batch, m, k)
     b = jnp.transpose(rhs, (*rb, *rc, *rkept)).reshape(batch, k, n)
-    out = _fp8_bmm_rows(pref, margin, a, b, sink)
     shape = [lhs.shape[d] for d in (*lb, *lkept)] + [rhs.shape[d] for d in rkept]
-    return out.reshape(shape)
+    return bmm(a, b).reshape(shape)
+
+
+def fp8_dot_rows(dims: Any, pref: Any, margin: int, lhs: Any, rhs: Any, sink: Any) -> Any:
+    """fp8_dot_general with per-row current scales (_fp8_bmm_rows of the batched matrices)."""
+    return as_batched_matrices(dims, lhs, rhs, lambda a, b: _fp8_bmm_rows(pref, margin, a, b, sink))
 
 
 def check_scale(scale: Any, what: str) -> None:
@@ -391,18 +395,8 @@ def mx_eligible(m: int, k: int, n: int) -> bool:
 
 
 def fp8_dot_mx(dims: Any, pref: Any, cudnn: bool, lhs: Any, rhs: Any, sink: Any) -> Any:
-    """dot_general through MXFP8: the operands laid out as batched matrices [B, M, K] and
-    [B, K, N] (as fp8_dot_rows does), multiplied by _mx_bmm, the result laid out as the
-    dot's."""
-    (lc, rc), (lb, rb) = dims
-    lkept, rkept = _remaining(lhs.ndim, lc, lb), _remaining(rhs.ndim, rc, rb)
-    size = lambda x, axes: int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
-    batch, m, k, n = size(lhs, lb), size(lhs, lkept), size(lhs, lc), size(rhs, rkept)
-    a = jnp.transpose(lhs, (*lb, *lkept, *lc)).reshape(batch, m, k)
-    b = jnp.transpose(rhs, (*rb, *rc, *rkept)).reshape(batch, k, n)
-    out = _mx_bmm(pref, cudnn, a, b, sink)
-    shape = [lhs.shape[d] for d in (*lb, *lkept)] + [rhs.shape[d] for d in rkept]
-    return out.reshape(shape)
+    """dot_general through MXFP8 (_mx_bmm of the batched matrices)."""
+    return as_batched_matrices(dims, lhs, rhs, lambda a, b: _mx_bmm(pref, cudnn, a, b, sink))
 
 
 def dot_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> tuple[int, ...]:
