@@ -54,8 +54,15 @@ from mpjax._src.policy import Policy
 # back to float32 (passed on in half). Neither name contains the other.
 KERNEL = "mpjax_kernel_call"
 RESULT = "mpjax_kernel_result"
-# The primitives that are kernels, for a probe's jaxpr: Pallas's and cuDNN attention's.
-_KERNEL_PRIMITIVES = ("pallas_call", "cudnn_dot_product_attention")
+# The primitives that are kernels, for a probe's jaxpr: Pallas's, and cuDNN attention's
+# (JAX's names for its forward and backward calls, with their wrappers', in 0.6-0.10).
+_KERNEL_PRIMITIVES = (
+    "pallas_call",
+    "dot_product_attention_fwd",
+    "dot_product_attention_bwd",
+    "dot_product_attention_fwd_wrapper",
+    "dot_product_attention_bwd_wrapper",
+)
 
 
 @dataclasses.dataclass
