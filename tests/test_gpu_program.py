@@ -786,3 +786,46 @@ def test_cudnn_attention_in_scanned_remat_layers_under_wrap():
         fused = [k.gemm_dtypes for k in report.gpu.kernels if k.kind == "attention"]
         assert fused == [("bf16", "bf16")] * 3, (level, fused)
         assert report.untouched == ()
+
+
+@pytest.mark.slow
+@needs_plugin
+def test_the_test_suites_own_pallas_kernel_runs_in_half_in_the_h100_program():
+    """tests/test_kernels.py's attention kernel, compiled with Triton for the H100 (not
+    interpreted), called bare (no custom_vjp), at O2: its kernel moves the hand-written
+    bfloat16 step's bytes (264,192), not float32's (526,336 before its float32 logsumexp was
+    kept float32: making it half failed the kernel's trace and it ran in float32)."""
+    import test_kernels
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    def attention(q, k, v):
+        b, t, h, d = q.shape
+        spec = pl.BlockSpec((None, t, None, d), lambda i, j: (i, 0, j, 0))
+        return pl.pallas_call(
+            test_kernels._attention_kernel,
+            grid=(b, h),
+            in_specs=[spec, spec, spec],
+            out_specs=[spec, pl.BlockSpec((None, None, t), lambda i, j: (i, j, 0))],
+            out_shape=[
+                jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, h, t), jnp.float32),
+            ],
+            compiler_params=plt.CompilerParams(),
+        )(q, k, v)
+
+    def block(params, x):
+        q, k, v = ((x @ params[n]).reshape(1, 128, 4, 64) for n in "qkv")
+        o, _ = attention(q, k, v)
+        return jnp.mean((o.reshape(1, 128, 256) @ params["o"]).astype(jnp.float32) ** 2)
+
+    params = {n: jax.ShapeDtypeStruct((256, 256), jnp.float32) for n in "qkvo"}
+    x = jax.ShapeDtypeStruct((1, 128, 256), jnp.float32)
+    kernels = lambda fn: [
+        k.bytes
+        for k in mpjax.audit(fn, params, x, target="h100").gpu.kernels
+        if k.kind == "custom-call"
+    ]
+    hand = kernels(_by_hand(block, "bfloat16"))
+    assert hand == [264192]
+    assert kernels(mpjax.autocast(block, mpjax.Policy.from_level("O2", "bfloat16"))) == hand

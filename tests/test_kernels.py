@@ -387,3 +387,22 @@ def test_fp8_policy_runs_the_kernel_in_its_base_half():
     assert "f8_e4m3fn" in text
     half = str(np.dtype(policy.base.compute_dtype))
     assert {d for ins, _ in _pallas_calls(closed.jaxpr) for d in ins} == {half}
+
+
+def test_a_bare_pallas_call_keeps_the_float32_result_its_author_wrote():
+    """The attention kernel above called without its custom_vjp (inference): its q, k, v and
+    output in half, and its float32 logsumexp, which the kernel stores as float32 whatever
+    the operands, left float32 (making every result half fails its trace, so each float32
+    result is tried in turn). No warning: the kernel runs in half."""
+    q, k, v = (
+        jax.random.normal(key, (1, 16, 2, 16)) for key in jax.random.split(jax.random.key(7), 3)
+    )
+    g = mpjax.autocast(lambda q, k, v: _attention_call(q, k, v), mpjax.Policy.from_level("O2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mpjax.UntouchedWarning)
+        closed = jax.make_jaxpr(g)(q, k, v)
+        out, lse = g(q, k, v)
+    assert _pallas_calls(closed.jaxpr)[-1] == (("float16",) * 3, ("float16", "float32"))
+    want_out, want_lse = _attention_call(q, k, v)
+    assert _relative_error(out, want_out) < 2e-3
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-2, atol=1e-2)

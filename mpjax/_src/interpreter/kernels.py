@@ -279,8 +279,7 @@ def _pallas_hook(original: Callable[..., Any]) -> Callable[..., Any]:
             dtype = _half_dtype(state)
             if dtype is None:
                 return made(*operands)
-            # Its results are made in half too: their out_shape's float32 becomes `dtype`.
-            half_made = original(kernel, *_halved(args, dtype), **_halved(kwargs, dtype))
+            half_made = functools.partial(_half_pallas_call, original, kernel, args, kwargs, dtype)
             name = getattr(kernel, "__name__", None) or "pallas_call"
             return _call_in_half(state, half_made, operands, {}, dtype, name, made)
 
@@ -289,15 +288,52 @@ def _pallas_hook(original: Callable[..., Any]) -> Callable[..., Any]:
     return pallas_call
 
 
-def _halved(spec: Any, dtype: np.dtype) -> Any:
-    """`spec` (pallas_call's out_shape, among its other arguments) with float32 shapes in
-    `dtype`."""
+def _half_pallas_call(
+    original: Callable[..., Any],
+    kernel: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: np.dtype,
+    *operands: Any,
+) -> Any:
+    """A pallas_call no custom_vjp encloses, on half `operands`, its float32 results made in
+    `dtype` too. A result its author writes in float32 whatever the operands (a logsumexp)
+    fails that (its store's dtype differs): then each result in turn is left float32, the
+    first that traces is kept; if none does, the failure is the caller's to report."""
+    spec = args[0] if args else kwargs.get("out_shape")
+    wide = [
+        i
+        for i, x in enumerate(jax.tree_util.tree_leaves(spec, is_leaf=_is_shape))
+        if _is_shape(x) and _castable(np.zeros((1,), x.dtype))
+    ]
+    failure: Exception | None = None
+    for keep in [None, *wide]:
+        halved = _halved(spec, dtype, keep)
+        new_args, new_kwargs = (
+            ((halved, *args[1:]), kwargs) if args else (args, {**kwargs, "out_shape": halved})
+        )
+        try:
+            return original(kernel, *new_args, **new_kwargs)(*operands)
+        except _KernelSeen:
+            raise
+        except Exception as e:  # noqa: BLE001 - try the next plan; the last error is reported
+            failure = e
+    assert failure is not None
+    raise failure
 
-    def halve(x: Any) -> Any:
-        if isinstance(x, jax.ShapeDtypeStruct) and _castable(np.zeros((1,), x.dtype)):
-            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
-        return x
 
-    return jax.tree_util.tree_map(
-        halve, spec, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
-    )
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _halved(spec: Any, dtype: np.dtype, keep: int | None = None) -> Any:
+    """`spec` (pallas_call's out_shape) with its float32 shapes in `dtype`, but the `keep`-th
+    leaf."""
+    leaves, tree = jax.tree_util.tree_flatten(spec, is_leaf=_is_shape)
+    halved = [
+        jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        if _is_shape(x) and _castable(np.zeros((1,), x.dtype)) and i != keep
+        else x
+        for i, x in enumerate(leaves)
+    ]
+    return jax.tree_util.tree_unflatten(tree, halved)
