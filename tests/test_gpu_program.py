@@ -796,23 +796,10 @@ def test_the_test_suites_own_pallas_kernel_runs_in_half_in_the_h100_program():
     bfloat16 step's bytes (264,192), not float32's (526,336 before its float32 logsumexp was
     kept float32: making it half failed the kernel's trace and it ran in float32)."""
     import test_kernels
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plt
 
     def attention(q, k, v):
-        b, t, h, d = q.shape
-        spec = pl.BlockSpec((None, t, None, d), lambda i, j: (i, 0, j, 0))
-        return pl.pallas_call(
-            test_kernels._attention_kernel,
-            grid=(b, h),
-            in_specs=[spec, spec, spec],
-            out_specs=[spec, pl.BlockSpec((None, None, t), lambda i, j: (i, j, 0))],
-            out_shape=[
-                jax.ShapeDtypeStruct(q.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, h, t), jnp.float32),
-            ],
-            compiler_params=plt.CompilerParams(),
-        )(q, k, v)
+        return test_kernels._attention_call(q, k, v, compiler_params=plt.CompilerParams())
 
     def block(params, x):
         q, k, v = ((x @ params[n]).reshape(1, 128, 4, 64) for n in "qkv")

@@ -231,8 +231,9 @@ def _attention_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref):
     lse_ref[...] = (m + jnp.log(denom))[:, 0]
 
 
-def _attention_call(q, k, v):
-    """q, k, v: [batch, length, heads, head_dim]."""
+def _attention_call(q, k, v, **compile_options):
+    """q, k, v: [batch, length, heads, head_dim]. Run by Pallas's interpreter unless
+    `compile_options` say how to compile it (tests/test_gpu_program.py: with Triton)."""
     b, t, h, d = q.shape
     spec = pl.BlockSpec((None, t, None, d), lambda i, j: (i, 0, j, 0))
     return pl.pallas_call(
@@ -244,7 +245,7 @@ def _attention_call(q, k, v):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((b, h, t), jnp.float32),
         ],
-        interpret=True,
+        **(compile_options or {"interpret": True}),
     )(q, k, v)
 
 

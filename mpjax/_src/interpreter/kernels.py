@@ -45,7 +45,7 @@ import numpy as np
 
 from mpjax._src import jax_compat as jc
 from mpjax._src.dtypes import is_float_dtype
-from mpjax._src.interpreter import regions
+from mpjax._src.interpreter import interpret, regions
 from mpjax._src.interpreter.first_order import NO_HALF_KERNEL, UNTOUCHED_SCOPE, UntouchedWarning
 from mpjax._src.interpreter.rules import op_lists
 from mpjax._src.policy import Policy
@@ -116,16 +116,27 @@ def _half_dtype(state: _Tracing) -> np.dtype | None:
     return None
 
 
+def _wide_float(dtype: Any) -> bool:
+    """A float dtype wider than half."""
+    return is_float_dtype(dtype) and np.dtype(dtype).itemsize >= 4
+
+
 def _castable(x: Any) -> bool:
     """A float array wider than half (scalars stay: a kernel may read them as 32-bit)."""
-    dtype = getattr(x, "dtype", None)
-    return (
-        isinstance(x, (jax.Array, np.ndarray))
-        and dtype is not None
-        and is_float_dtype(dtype)
-        and np.dtype(dtype).itemsize >= 4
-        and np.ndim(x) >= 1
-    )
+    return isinstance(x, (jax.Array, np.ndarray)) and _wide_float(x.dtype) and np.ndim(x) >= 1
+
+
+def _tracing_dtype() -> tuple[_Tracing, np.dtype] | None:
+    """For a kernel called now: autocast's tracing state and the dtype to call it in, or None
+    where it runs as written (not under autocast, inside a kernel's call, or a region whose
+    matmuls are not half). While a custom_vjp function is probed, says it calls a kernel."""
+    state = _ACTIVE.get()
+    if state is None or state.depth:
+        return None
+    if state.probing:
+        raise _KernelSeen
+    dtype = _half_dtype(state)
+    return None if dtype is None else (state, dtype)
 
 
 def _call_in_half(
@@ -188,16 +199,11 @@ def _calls_kernel(state: _Tracing, thunk: Callable[[], Any]) -> bool:
 
 
 def _has_kernel(jaxpr: Any) -> bool:
-    from mpjax._src.interpreter import interpret
-
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _KERNEL_PRIMITIVES:
-            return True
-        if eqn.primitive.name != "pallas_call" and any(
-            _has_kernel(interpret.open_jaxpr(b)[0]) for b in interpret.bodies(eqn)
-        ):
-            return True
-    return False
+    return any(
+        eqn.primitive.name in _KERNEL_PRIMITIVES
+        or any(_has_kernel(interpret.open_jaxpr(b)[0]) for b in interpret.bodies(eqn))
+        for eqn in jaxpr.eqns
+    )
 
 
 # -- the hooks: each a wrapper of a JAX entry point, as written unless autocast is tracing ------
@@ -229,14 +235,10 @@ def _install_missing() -> None:
 def _cudnn_hook(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def cudnn_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
-        state = _ACTIVE.get()
-        if state is None or state.depth:
+        tracing = _tracing_dtype()
+        if tracing is None:
             return original(*args, **kwargs)
-        if state.probing:
-            raise _KernelSeen
-        dtype = _half_dtype(state)
-        if dtype is None:
-            return original(*args, **kwargs)
+        state, dtype = tracing
         return _call_in_half(state, original, args, kwargs, dtype, "cudnn_dot_product_attention")
 
     return cudnn_dot_product_attention
@@ -271,14 +273,10 @@ def _pallas_hook(original: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(made)
         def call(*operands: Any) -> Any:
-            state = _ACTIVE.get()
-            if state is None or state.depth:
+            tracing = _tracing_dtype()
+            if tracing is None:
                 return made(*operands)
-            if state.probing:
-                raise _KernelSeen
-            dtype = _half_dtype(state)
-            if dtype is None:
-                return made(*operands)
+            state, dtype = tracing
             half_made = functools.partial(_half_pallas_call, original, kernel, args, kwargs, dtype)
             name = getattr(kernel, "__name__", None) or "pallas_call"
             return _call_in_half(state, half_made, operands, {}, dtype, name, made)
@@ -304,7 +302,7 @@ def _half_pallas_call(
     wide = [
         i
         for i, x in enumerate(jax.tree_util.tree_leaves(spec, is_leaf=_is_shape))
-        if _is_shape(x) and _castable(np.zeros((1,), x.dtype))
+        if _is_shape(x) and _wide_float(x.dtype)
     ]
     failure: Exception | None = None
     for keep in [None, *wide]:
@@ -332,7 +330,7 @@ def _halved(spec: Any, dtype: np.dtype, keep: int | None = None) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(spec, is_leaf=_is_shape)
     halved = [
         jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
-        if _is_shape(x) and _castable(np.zeros((1,), x.dtype)) and i != keep
+        if _is_shape(x) and _wide_float(x.dtype) and i != keep
         else x
         for i, x in enumerate(leaves)
     ]
