@@ -8,6 +8,7 @@ import contextvars
 import re
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,11 +54,7 @@ def advice(policy: Policy) -> str | None:
             )
         )
     if platform == "gpu":
-        capability = getattr(device, "compute_capability", None)
-        try:
-            cc = float(capability) if capability is not None else None
-        except (TypeError, ValueError):
-            cc = None
+        cc = _capability(device)
         if cc is None or cc >= _MIN_CAPABILITY[dtype]:
             return None
         return (
@@ -71,6 +68,15 @@ def advice(policy: Policy) -> str | None:
         "policy saves memory but runs slower than float32; use O0 here, or a GPU (compute "
         "capability >= 7.0 for float16, >= 8.0 for bfloat16) or a TPU (bfloat16)."
     )
+
+
+def _capability(device: Any) -> float | None:
+    """A GPU device's NVIDIA compute capability as a number (9.0), or None if it has none."""
+    capability = getattr(device, "compute_capability", None)
+    try:
+        return float(capability) if capability is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def warn_if_slow(policy: Policy) -> None:
@@ -111,9 +117,5 @@ def block_scaled_gemms() -> bool:
         found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", config)
         return found is not None and int(found.group(1)) >= 10
     device = jax.devices()[0]
-    if device.platform != "gpu":
-        return False
-    try:
-        return float(getattr(device, "compute_capability", 0) or 0) >= 10
-    except (TypeError, ValueError):
-        return False
+    cc = _capability(device) if device.platform == "gpu" else None
+    return cc is not None and cc >= 10

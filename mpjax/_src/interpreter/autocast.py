@@ -143,13 +143,14 @@ def eval_jaxpr(
 
     def step(eqn: jc.JaxprEqn, invals: list[jc.Value]) -> Results:
         name_stack = jc.current_name_stack() + eqn.source_info.name_stack
-        eqn_mode = ctx.mode_for(mode, str(eqn.source_info.name_stack))
+        where = str(eqn.source_info.name_stack)
+        eqn_mode = ctx.mode_for(mode, where)
         tb = traceback if traceback is not None else eqn.source_info.traceback
         if traceback is not None and ctx.shadow and jc.summarize_source(eqn.source_info):
             tb = eqn.source_info.traceback  # see for_shadow: a body equation's own line
         with jc.user_context(tb, name_stack=name_stack):
             with eqn.ctx.manager:
-                kernel = _kernel_step(eqn, invals)
+                kernel = _kernel_step(eqn, invals, where)
                 if kernel is not None:
                     return kernel
                 rule: Rule = ctx.rules(eqn)
@@ -163,10 +164,10 @@ def eval_jaxpr(
     return outs, [env.held_kind(v) for v in jaxpr.outvars], [env.handed(v) for v in jaxpr.outvars]
 
 
-def _kernel_step(eqn: jc.JaxprEqn, invals: list[jc.Value]) -> Results | None:
-    """A fused kernel's equation (see kernels.py): its half call as traced, the casts of its
-    results back to float32 passed on in half; None for any other equation."""
-    where = str(eqn.source_info.name_stack)
+def _kernel_step(eqn: jc.JaxprEqn, invals: list[jc.Value], where: str) -> Results | None:
+    """A fused kernel's equation (see kernels.py), `where` its name stack: its half call as
+    traced, the casts of its results back to float32 passed on in half; None for any other
+    equation."""
     if kernels.RESULT in where:
         return list(invals), [Hold.NONE] * len(eqn.outvars)
     if kernels.KERNEL in where:
