@@ -1,4 +1,5 @@
-"""FP8 for any JAX function: dot_general in float8 (HYBRID), delayed or current scaling.
+"""FP8 for any JAX function: dot_general in float8 (HYBRID), delayed or current scaling,
+MXFP8 and NVFP4 blocks.
 
 Import it explicitly (``import mpjax.fp8``); ``import mpjax`` does not load it.
 """
@@ -9,6 +10,7 @@ from mpjax._src.float8.fp8 import (
     FP8Policy,
     FP8State,
     MXFP8BlockScaling,
+    NVFP4BlockScaling,
     apply,
     describe,
     init,
@@ -32,6 +34,7 @@ __all__ = (
     "init",
     "merge",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
     "policy",
     "qdq",
     "scaled_value_and_grad",

@@ -524,7 +524,7 @@ def test_the_loss_scale_scales_the_gradients_exactly_and_not_the_fp8_state():
     assert_trees_bit_identical(scaled[2], plain[2])
 
 
-@pytest.mark.parametrize("recipe", ["DelayedScaling", "MXFP8BlockScaling"])
+@pytest.mark.parametrize("recipe", ["DelayedScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"])
 def test_train_state_and_checkpoint_take_the_fp8_policy(rng, tmp_path, recipe):
     """TrainState.create and mpjax.checkpoint take the FP8 policy as wrap does: the loss scale
     is the base level's, and the checkpoint records the recipe beside the base policy, so it

@@ -228,7 +228,15 @@ RECIPES = {
     "current": mpjax.fp8.CurrentScaling(),
     "row": mpjax.fp8.CurrentScaling(granularity="row"),
     "mx": mpjax.fp8.MXFP8BlockScaling(),
+    "nv": mpjax.fp8.NVFP4BlockScaling(),
 }
+# NVFP4's E2M1 values carry one mantissa bit: each gemm's error is some 10 to 15% of its
+# result, and these models' gradients pass 4 to 8 of them. Measured on the grid: loss within
+# 3.7%, 1 - cos up to 0.184 (0.10 with round-to-nearest and no Hadamard transform, the error
+# of the 4-bit values alone), norms within 5.2%. A wrong gradient (a transposed scale, a lost
+# tensor scale) is far off these bounds; the recipe's numbers are checked exactly against
+# NumPy's in tests/test_nvfp4.py, and its training by the FP8 accuracy benchmark.
+TOLERANCES = {"nv": (0.06, 0.25, 0.1)}
 
 
 def _flat(tree):
@@ -255,12 +263,14 @@ def _grid():
     }
     fast |= {(m, "O2", "mx", False) for m in ("linen MHA x2, tied", "nnx MHA, remat, tied")}
     fast |= {("function scan(checkpoint)", "O2", "mx", True)}
+    fast |= {(m, "O2", "nv", False) for m in ("linen MHA x2, tied", "nnx MHA, remat, tied")}
+    fast |= {("function scan(checkpoint)", "O2", "nv", True)}
     out = []
     for model in CASES:
         for level in ("O1", "O2"):
             for recipe in RECIPES:
-                if recipe == "mx" and level == "O1":
-                    continue  # MXFP8's dots are O1's and O2's alike: O2 only, for CI's time
+                if recipe in ("mx", "nv") and level == "O1":
+                    continue  # block recipes' dots are O1's and O2's alike: O2 only, for CI
                 for batched in (False, True):
                     cell = (model, level, recipe, batched)
                     marks = [] if cell in fast else [pytest.mark.slow]
@@ -274,7 +284,8 @@ def _grid():
 @pytest.mark.parametrize("model,level,recipe,batched_dots", _grid())
 def test_fp8_trains_the_model_as_float32_does(model, level, recipe, batched_dots):
     make, sites = CASES[model]
-    # MXFP8's blocks of 32 leave the test models' attention dots (sizes of 16) in half
+    # MXFP8's blocks of 32 leave the test models' attention dots (sizes of 16) in half;
+    # NVFP4's blocks of 16 take them
     sites = sites[batched_dots and recipe != "mx"]
     pol = mpjax.fp8.policy(level, "bfloat16", recipe=RECIPES[recipe], batched_dots=batched_dots)
     loss, ref, params, batch = make(pol)
@@ -286,9 +297,12 @@ def test_fp8_trains_the_model_as_float32_does(model, level, recipe, batched_dots
     ref_value, ref_grads = jax.jit(jax.value_and_grad(ref))(params, *batch)
     g, r = _flat(grads), _flat(ref_grads)
     assert np.isfinite(float(value)) and np.all(np.isfinite(g))
-    assert abs(float(value) / float(ref_value) - 1) < LOSS_RTOL, (float(value), float(ref_value))
-    assert 1 - g @ r / (np.linalg.norm(g) * np.linalg.norm(r)) < MAX_1_MINUS_COS
-    assert abs(np.linalg.norm(g) / np.linalg.norm(r) - 1) < NORM_RTOL
+    loss_rtol, max_1_minus_cos, norm_rtol = TOLERANCES.get(
+        recipe, (LOSS_RTOL, MAX_1_MINUS_COS, NORM_RTOL)
+    )
+    assert abs(float(value) / float(ref_value) - 1) < loss_rtol, (float(value), float(ref_value))
+    assert 1 - g @ r / (np.linalg.norm(g) * np.linalg.norm(r)) < max_1_minus_cos
+    assert abs(np.linalg.norm(g) / np.linalg.norm(r) - 1) < norm_rtol
     # every site saw its input, kernel and output gradient
     assert np.all(np.asarray(state.amax_history[..., 0]) > 0)
     report = mpjax.audit(step, state, params, *batch, compile=False)

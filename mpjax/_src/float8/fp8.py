@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -17,20 +18,24 @@ from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
 from mpjax._src import hardware, levels
+from mpjax._src import jax_compat as jc
 from mpjax._src.float8.fp8_dot import (
     E4M3,
     E5M2,
     GRAD,
     INPUT,
     KERNEL,
+    NVOptions,
     check_scale,
     dot_sizes,
     finite_max,
     fp8_dot_current,
     fp8_dot_general,
     fp8_dot_mx,
+    fp8_dot_nv,
     fp8_dot_rows,
     mx_eligible,
+    nv_eligible,
     scale_of,
 )
 from mpjax._src.interpreter import autocast as autocast_lib
@@ -156,8 +161,72 @@ class MXFP8BlockScaling:
     amax_compute_algo: str = dataclasses.field(default="most_recent", init=False, repr=False)
 
 
-Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling
-_RECIPES = (DelayedScaling, CurrentScaling, MXFP8BlockScaling)
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling:
+    """TransformerEngine's ``NVFP4BlockScaling`` recipe: NVIDIA's 4-bit training for Blackwell
+    (B200, GB200), whose tensor cores run E2M1 gemms that scale blocks themselves.
+
+    Every gemm runs in E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6), the backward ones too. Each
+    operand is quantized from its high-precision value along the axis each of its gemms
+    contracts, in blocks of 16 with an E4M3 scale each (the block's amax / 6), under a float32
+    scale per tensor (its amax / (6 x 448)), as NVIDIA's recipe does:
+
+    - the weight (a dot's right operand) is scaled in 16 x 16 tiles, so that its input-gradient
+      gemm contracts the same numbers (`square_weight_blocks`), and is quantized once a step;
+    - the weight gradient's operands are rotated by a random Hadamard transform along the
+      tokens it sums over (`random_hadamard`: exact in real arithmetic, it spreads each block's
+      outliers before they are rounded);
+    - gradients round stochastically (`stochastic_rounding`), unbiased: a hash of each
+      element's bits, its position, its site and `seed`, so a step replays exactly.
+
+    `high_precision` names the layers that stay in the base half dtype: globs matched against
+    each dot's module path or name scope (``"head"``, ``"layers_11/*"``). NVIDIA keeps the
+    last few blocks and the head in bfloat16; off by default, as in TransformerEngine.
+
+    On a GPU of compute capability 10 each gemm is a cuDNN block-scaled dot
+    (``jax.nn.scaled_matmul``); elsewhere the same numbers are emulated (the values times
+    their block scales, exact in bfloat16, in a bfloat16 gemm with float32 sums, times the
+    tensor scales). A dot whose sizes do not all divide by 16 runs in the base half.
+
+    Example:
+      >>> import mpjax.fp8
+      >>> r = mpjax.fp8.NVFP4BlockScaling(high_precision=("head",))
+      >>> mpjax.fp8.policy("O2", recipe=r).recipe.stochastic_rounding
+      True
+    """
+
+    random_hadamard: bool = True
+    stochastic_rounding: bool = True
+    square_weight_blocks: bool = True
+    high_precision: tuple[str, ...] = ()
+    seed: int = 0
+    margin: int = dataclasses.field(default=0, init=False, repr=False)
+    amax_history_len: int = dataclasses.field(default=1, init=False, repr=False)
+    amax_compute_algo: str = dataclasses.field(default="most_recent", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.high_precision, str) or not all(
+            isinstance(p, str) for p in self.high_precision
+        ):
+            raise TypeError(
+                "high_precision is a tuple of module-path globs, like ('head', 'layers_11/*'), "
+                f"got {self.high_precision!r}."
+            )
+        object.__setattr__(self, "high_precision", tuple(self.high_precision))
+
+    def keeps(self, name_stack: str) -> bool:
+        """Whether a dot under `name_stack` stays in the base half (`high_precision`)."""
+        parts = [p for p in name_stack.split("/") if p]
+        tails = ["/".join(parts[i:]) for i in range(len(parts))]
+        return any(_glob(t, pattern) for pattern in self.high_precision for t in tails)
+
+
+def _glob(path: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern)
+
+
+Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | NVFP4BlockScaling
+_RECIPES = (DelayedScaling, CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("scale", "amax_history"),
@@ -170,8 +239,8 @@ class FP8State:
       scale: float32 ``[sites, 3]``: the quantization scale of each site's input, kernel and
         gradient (``x_fp8 = x * scale``).
       amax_history: float32 ``[sites, 3, amax_history_len]``, newest first.
-      recipe: the recipe, :class:`DelayedScaling`, :class:`CurrentScaling` or
-        :class:`MXFP8BlockScaling` (static: not a leaf).
+      recipe: the recipe, :class:`DelayedScaling`, :class:`CurrentScaling`,
+        :class:`MXFP8BlockScaling` or :class:`NVFP4BlockScaling` (static: not a leaf).
 
     Example:
       >>> import jax, jax.numpy as jnp, mpjax.fp8
@@ -223,7 +292,7 @@ class FP8Policy:
     Attributes:
       base: the policy for everything else (a half level, O1 or O2).
       recipe: the scaling recipe: :class:`DelayedScaling` (the default),
-        :class:`CurrentScaling` or :class:`MXFP8BlockScaling`.
+        :class:`CurrentScaling`, :class:`MXFP8BlockScaling` or :class:`NVFP4BlockScaling`.
       batched_dots: whether dots with batch dimensions are sites too.
 
     Example:
@@ -240,8 +309,9 @@ class FP8Policy:
     def __post_init__(self) -> None:
         if not isinstance(self.recipe, _RECIPES):
             raise TypeError(
-                "recipe must be mpjax.fp8.DelayedScaling(...), mpjax.fp8.CurrentScaling(...) or "
-                f"mpjax.fp8.MXFP8BlockScaling(), got {type(self.recipe).__name__}."
+                "recipe must be mpjax.fp8.DelayedScaling(...), mpjax.fp8.CurrentScaling(...), "
+                "mpjax.fp8.MXFP8BlockScaling() or mpjax.fp8.NVFP4BlockScaling(...), got "
+                f"{type(self.recipe).__name__}."
             )
         if not isinstance(self.base, Policy) or not levels.casts(self.base):
             raise ValueError(
@@ -267,8 +337,8 @@ def policy(
     Args:
       level: the base level, "O1" or "O2" (or "O3").
       half_dtype: the base half dtype (bfloat16 by default, as FP8 training uses).
-      recipe: ``DelayedScaling()`` (the default), ``CurrentScaling()`` or
-        ``MXFP8BlockScaling()``.
+      recipe: ``DelayedScaling()`` (the default), ``CurrentScaling()``,
+        ``MXFP8BlockScaling()`` or ``NVFP4BlockScaling()``.
       batched_dots: also run dots with batch dimensions (attention's) in FP8 (see
         :class:`FP8Policy`).
 
@@ -433,6 +503,8 @@ class _Sites:
         # MXFP8: block scales from each block's amax; gemms scale blocks on compute
         # capability 10 (decided when the function is traced: hardware.py).
         self.mx = isinstance(pol.recipe, MXFP8BlockScaling)
+        # NVFP4: the same, in blocks of 16 under a tensor scale (its switches per site).
+        self.nv = pol.recipe if isinstance(pol.recipe, NVFP4BlockScaling) else None
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
         self.base = pol.base
         self.batched_dots = pol.batched_dots
@@ -451,6 +523,8 @@ class _Sites:
         lhs_shape, rhs_shape = (v.aval.shape for v in eqn.invars)
         if self.mx and not mx_eligible(*dot_sizes(lhs_shape, rhs_shape, dims)):
             return None  # not in blocks of 32: the base half (the audit names it)
+        if self.nv is not None and not self._nv_runs(eqn, dot_sizes(lhs_shape, rhs_shape, dims)):
+            return None  # not in blocks of 16, or a layer kept in high precision
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
@@ -459,10 +533,22 @@ class _Sites:
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
         if self.mx:
             return fp8_dot_mx(dims, dt, hardware.block_scaled_gemms(), lhs, rhs, sink[i])
+        if self.nv is not None:
+            r = self.nv
+            opts = NVOptions(r.random_hadamard, r.stochastic_rounding, r.square_weight_blocks,
+                             seed=r.seed * 100_003 + i)  # fmt: skip
+            return fp8_dot_nv(dims, dt, hardware.block_scaled_gemms(), opts, lhs, rhs, sink[i])
         if self.current is not None:
             dot = fp8_dot_rows if self.current.granularity == "row" else fp8_dot_current
             return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
+
+    def _nv_runs(self, eqn: Any, sizes: tuple[int, ...]) -> bool:
+        assert self.nv is not None
+        if not nv_eligible(*sizes):
+            return False
+        stack = str(jc.current_name_stack() + eqn.source_info.name_stack)
+        return not self.nv.keeps(stack)
 
     def rules(self) -> interpret.Registry:
         """Autocast's rules, with eligible dots run in FP8 at their sites, and the scales and

@@ -3,6 +3,7 @@ tensor) and per-row scales, each a custom derivative whose backward gemms are FP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -406,3 +407,209 @@ def dot_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> 
     k = int(np.prod([lhs_shape[d] for d in lc], dtype=np.int64))
     n = int(np.prod([rhs_shape[d] for d in _remaining(len(rhs_shape), rc, rb)], dtype=np.int64))
     return m, k, n
+
+
+# -- NVFP4: E2M1 values in blocks of 16, E4M3 block scales under a float32 tensor scale -------
+
+E2M1 = np.dtype(jnp.float4_e2m1fn)
+NV_BLOCK = 16
+_E2M1_MAX = 6.0
+
+
+def nv_tensor_scale(amax: jax.Array) -> jax.Array:
+    """NVFP4's float32 tensor scale: the tensor's amax / (6 x 448), so that every block's scale
+    (its amax / 6, in tensor-scale units) fits E4M3. 1 for a tensor of zeros or one holding an
+    inf or a NaN."""
+    usable = (amax > 0) & jnp.isfinite(amax)
+    top = _E2M1_MAX * finite_max(E4M3)
+    return jnp.where(usable, amax / top, 1.0).astype(jnp.float32)
+
+
+def _uniform(x: jax.Array, seed: int) -> jax.Array:
+    """Noise in [0, 1) per element of float32 `x`: a hash of the element's bits, its position
+    and `seed` (counter-based, as Philox is: the same tensor and seed give the same noise, so a
+    step replays exactly; elementwise, so it fuses into the quantizing kernel)."""
+    index = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    h = lax.bitcast_convert_type(x, jnp.uint32) ^ (index * np.uint32(0x9E3779B1))
+    h = h ^ np.uint32((seed * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # lowbias32's finalizer
+        h = (h ^ (h >> np.uint32(shift))) * np.uint32(mul)
+    h = h ^ (h >> np.uint32(16))
+    return (h >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def _round_e2m1(y: jax.Array, seed: int | None) -> jax.Array:
+    """`y` (|y| <= 6) onto E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6): to nearest even, or, given
+    a `seed`, stochastically (up with probability the distance from the grid point below)."""
+    if seed is None:
+        return y.astype(E2M1)
+    a = jnp.abs(y)
+    step = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0))
+    below = jnp.floor(a / step) * step
+    up = _uniform(y, seed) < (a - below) / step
+    return (jnp.sign(y) * jnp.minimum(jnp.where(up, below + step, below), _E2M1_MAX)).astype(E2M1)
+
+
+def nv_quantize(
+    x: jax.Array, axis: int, scale: jax.Array, *, square: bool = False, seed: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`x`'s NVFP4 copy for a gemm that contracts its `axis`: the axis moved last, E2M1 values
+    and one E4M3 scale (returned as float32) per block of 16 consecutive elements along it,
+    the block's amax / 6 in units of the float32 tensor `scale` (:func:`nv_tensor_scale`).
+    `square` scales 16 x 16 tiles of the last two axes instead, so that the copy contracted
+    along either axis holds the same numbers (NVIDIA's recipe, for weights). `seed` rounds
+    stochastically (the recipe's gradients). ``values * scales * scale`` is the dequantized x.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.float8.fp8_dot import nv_quantize
+      >>> q, s = nv_quantize(jnp.arange(16.0).reshape(1, 16), axis=1, scale=jnp.float32(1.0))
+      >>> s.tolist(), q.astype(jnp.float32)[0, -4:].tolist()   # 15 / 6 rounds to 2.5 in E4M3
+      ([[2.5]], [4.0, 4.0, 6.0, 6.0])
+    """
+    moved = jnp.moveaxis(x, axis, -1).astype(jnp.float32) / scale
+    *lead, k = moved.shape
+    blocks = moved.reshape(*lead, k // NV_BLOCK, NV_BLOCK)
+    if square:  # the amax of each 16 x 16 tile, for each of its 16 rows
+        tiles = blocks.reshape(*lead[:-1], lead[-1] // NV_BLOCK, NV_BLOCK, k // NV_BLOCK, NV_BLOCK)
+        amax = jnp.max(jnp.abs(tiles), axis=(-3, -1), keepdims=True)
+        amax = jnp.broadcast_to(amax, tiles.shape[:-1] + (1,)).reshape(*lead, k // NV_BLOCK, 1)
+    else:
+        amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    top = finite_max(E4M3)
+    block_scale = jnp.clip(amax / _E2M1_MAX, 0, top).astype(E4M3).astype(jnp.float32)
+    divisor = jnp.where(block_scale > 0, block_scale, 1.0)
+    y = jnp.clip(blocks / divisor, -_E2M1_MAX, _E2M1_MAX)
+    return _round_e2m1(y, seed).reshape(moved.shape), block_scale[..., 0]
+
+
+def hadamard_signs(seed: int) -> np.ndarray:
+    """The random signs of the recipe's Hadamard transform, fixed by `seed`."""
+    return np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), NV_BLOCK)
+
+
+def rht(x: jax.Array, seed: int) -> jax.Array:
+    """`x` [B, M, ...] with each block of 16 along M rotated by the random Hadamard transform
+    ``H diag(signs) / 4`` (H the 16 x 16 Sylvester matrix: orthonormal). A weight gradient
+    contracts M, and ``rht(a)^T rht(g) = a^T g``, while the rotation spreads each block's
+    outliers over it before it is rounded. Written as 4 butterfly stages of adds, elementwise
+    work that fuses into the quantizing kernel (no gemm).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from mpjax._src.float8.fp8_dot import rht
+      >>> a, g = jnp.arange(32.0).reshape(1, 16, 2), jnp.ones((1, 16, 3))
+      >>> bool(jnp.allclose(rht(a, 0)[0].T @ rht(g, 0)[0], a[0].T @ g[0]))
+      True
+    """
+    b, m = x.shape[:2]
+    rest = x.shape[2:]
+    y = x.astype(jnp.float32).reshape(b, m // NV_BLOCK, NV_BLOCK, *rest)
+    y = y * jnp.asarray(hadamard_signs(seed)).reshape(NV_BLOCK, *(1,) * len(rest))
+    h = 1
+    while h < NV_BLOCK:  # pairs (i, i + h) in runs of 2h: (x_i + x_i+h, x_i - x_i+h)
+        pairs = y.reshape(b, m // NV_BLOCK, NV_BLOCK // (2 * h), 2, h, *rest)
+        lo, hi = pairs[:, :, :, 0], pairs[:, :, :, 1]
+        y = jnp.stack([lo + hi, lo - hi], axis=3).reshape(y.shape)
+        h *= 2
+    return (y / np.float32(np.sqrt(NV_BLOCK))).reshape(x.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVOptions:
+    """What an NVFP4 gemm site does (static): the recipe's switches and the site's seed."""
+
+    hadamard: bool
+    stochastic: bool
+    square: bool
+    seed: int
+
+
+def _nv_gemm(a: tuple[Any, ...], b: tuple[Any, ...], out: Any, cudnn: bool) -> Any:
+    """``qa @ qb^T`` of NVFP4 operands (values [B, M, K] and [B, N, K], block scales, tensor
+    scale): cuDNN's block-scaled dot on compute capability 10, else emulated (the values
+    times their block scales, exact in bfloat16, in a bfloat16 gemm with float32 sums); the
+    two tensor scales multiply the float32 result."""
+    (qa, sa, ta), (qb, sb, tb) = a, b
+    if cudnn:
+        acc = jax.nn.scaled_matmul(
+            qa, qb, sa.astype(E4M3), sb.astype(E4M3), preferred_element_type=jnp.float32
+        )
+    else:
+
+        def dequantized(q: Any, s: Any) -> Any:
+            blocks = q.reshape(*q.shape[:-1], -1, NV_BLOCK).astype(jnp.float32) * s[..., None]
+            return blocks.reshape(q.shape).astype(jnp.bfloat16)
+
+        dims = (((2,), (2,)), ((0,), (0,)))
+        acc = lax.dot_general(
+            dequantized(qa, sa), dequantized(qb, sb), dims, preferred_element_type=jnp.float32
+        )
+    return (acc * (ta * tb)).astype(out)
+
+
+def _nv_operand(x: Any, axis: int, *, square: bool = False, seed: int | None = None) -> Any:
+    """(values, block scales, tensor scale, amax) of `x` contracted along `axis`."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = nv_tensor_scale(amax)
+    q, s = nv_quantize(x, axis, scale, square=square, seed=seed)
+    return (q, s, scale), amax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _nv_bmm(pref: Any, cudnn: bool, opts: NVOptions, a: Any, b: Any, sink: Any) -> Any:
+    """``a @ b`` for a [B, M, K] and b [B, K, N] through NVFP4 (all three gemms E2M1)."""
+    return _nv_fwd(pref, cudnn, opts, a, b, sink)[0]
+
+
+def _nv_fwd(pref: Any, cudnn: bool, opts: NVOptions, a: Any, b: Any, sink: Any) -> Any:
+    del sink
+    qa, amax_a = _nv_operand(a, 2)  # [B, M, K]
+    qb, amax_b = _nv_operand(b, 1, square=opts.square)  # [B, N, K]
+    out = _nv_gemm(qa, qb, pref, cudnn)
+    # With square tiles the weight's copy serves the input gradient too (transposed): the
+    # weight is quantized once per step. Without, it is quantized again along N.
+    kept = qb if opts.square else None
+    return out, (a, b, kept, amax_a, amax_b)
+
+
+def _transposed(q: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A square-tiled copy [B, N, K] as the one contracted along N, [B, K, N]: the same values
+    and tile scales."""
+    values, scales, scale = q
+    tiles = scales[:, ::NV_BLOCK, :]  # [B, N / 16, K / 16]: one row per tile
+    return (
+        jnp.swapaxes(values, 1, 2),
+        jnp.repeat(jnp.swapaxes(tiles, 1, 2), NV_BLOCK, axis=1),
+        scale,
+    )
+
+
+def _nv_bwd(pref: Any, cudnn: bool, opts: NVOptions, res: Any, g: Any) -> Any:
+    a, b, kept, amax_a, amax_b = res
+    seeds = (opts.seed * 2, opts.seed * 2 + 1) if opts.stochastic else (None, None)
+    qg, amax_g = _nv_operand(g, 2, seed=seeds[0])  # [B, M, N], contracted over N
+    qb = _transposed(kept) if kept is not None else _nv_operand(b, 2)[0]  # [B, K, N]
+    da = _nv_gemm(qg, qb, a.dtype, cudnn)  # [B, M, K]
+    if opts.hadamard:  # the weight gradient contracts M: rotate both operands along it
+        a, g = rht(a, opts.seed), rht(g, opts.seed)
+    qa, _ = _nv_operand(a, 1)  # [B, K, M]
+    qg, _ = _nv_operand(g, 1, seed=seeds[1])  # [B, N, M]
+    db = _nv_gemm(qa, qg, b.dtype, cudnn)  # [B, K, N]
+    return da, db, jnp.stack([amax_a, amax_b, amax_g])
+
+
+_nv_bmm.defvjp(_nv_fwd, _nv_bwd)
+
+
+def nv_eligible(m: int, k: int, n: int) -> bool:
+    """Whether a gemm's sizes divide into NVFP4 blocks of 16 along every axis its three gemms
+    contract (K, N, M) and its weight's 16 x 16 tiles."""
+    return all(d > 0 and d % NV_BLOCK == 0 for d in (m, k, n))
+
+
+def fp8_dot_nv(
+    dims: Any, pref: Any, cudnn: bool, opts: NVOptions, lhs: Any, rhs: Any, sink: Any
+) -> Any:
+    """dot_general through NVFP4 (_nv_bmm of the batched matrices)."""
+    return as_batched_matrices(dims, lhs, rhs, lambda a, b: _nv_bmm(pref, cudnn, opts, a, b, sink))

@@ -62,8 +62,8 @@ def _dtype(element_type: Any) -> str:
             return "bool"
         return f"{'uint' if element_type.is_unsigned else 'int'}{element_type.width}"
     name = str(element_type)
-    if name.startswith("f8"):  # f8E4M3FN -> float8_e4m3fn, NumPy's (ml_dtypes') name
-        return "float8_" + name[2:].lower()
+    if name.startswith(("f8", "f4")):  # f8E4M3FN -> float8_e4m3fn, NumPy's (ml_dtypes') name
+        return f"float{name[1]}_" + name[2:].lower()
     return name  # complex, ...: MLIR's name of the type
 
 
@@ -236,11 +236,11 @@ def _result(value: Any) -> Any:
 
 
 def _fp8_origin(value: Any, funcs: dict[str, Any], depth: int = 12) -> str | None:
-    """The float8 dtype `value` holds or was dequantized from (a convert from float8, then
-    scales, converts and layout changes), or None. Follows results of called functions and
-    of optimization barriers (remat); stops at block arguments (loop carries)."""
+    """The float8 (or NVFP4's float4) dtype `value` holds or was dequantized from (a convert
+    from it, then scales, converts and layout changes), or None. Follows results of called
+    functions and of optimization barriers (remat); stops at block arguments (loop carries)."""
     t = _tensor(value)
-    if t is not None and t[1].startswith("float8"):
+    if t is not None and t[1].startswith(("float8", "float4")):
         return t[1]
     if depth == 0:
         return None
