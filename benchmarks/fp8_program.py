@@ -51,6 +51,8 @@ RECIPES = {
     "FP8 current per row": mpjax.fp8.CurrentScaling(granularity="row"),
     # Blackwell's recipe: cuDNN block-scaled dots on a B200, emulated elsewhere (an H100)
     "MXFP8": mpjax.fp8.MXFP8BlockScaling(),
+    # and its 4-bit one (E2M1 gemms on a B200)
+    "NVFP4": mpjax.fp8.NVFP4BlockScaling(),
 }
 
 
@@ -91,7 +93,7 @@ def abstract_step(size: str, recipe: Any) -> tuple[Any, tuple[Any, ...]]:
     return (step if recipe is None else fp8_step), args
 
 
-# Hopper's recipes: MXFP8 is Blackwell's (on an H100 its gemms are emulated)
+# Hopper's recipes: MXFP8 and NVFP4 are Blackwell's (on an H100 their gemms are emulated)
 HOPPER = ("O2 bfloat16", "FP8 delayed", "FP8 current", "FP8 current per row")
 
 

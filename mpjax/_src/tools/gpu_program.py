@@ -275,6 +275,7 @@ class Roofline:
       f32: float32 (TF32) gemm FLOP/s.
       bandwidth: memory bytes per second.
       launch: seconds per kernel launch.
+      fp4: dense FP4 gemm FLOP/s (NVFP4's E2M1 operands; 0 where no gemm takes them).
     """
 
     half: float
@@ -282,6 +283,7 @@ class Roofline:
     f32: float
     bandwidth: float
     launch: float
+    fp4: float = 0.0
 
     def seconds(self, kernel: Kernel) -> float:
         """The kernel's modeled time."""
@@ -289,6 +291,8 @@ class Roofline:
         peak = self.half
         if types and all(t.startswith("f8") for t in types):
             peak = self.fp8
+        elif types and self.fp4 and all(t.startswith(("f8", "f4")) for t in types):
+            peak = self.fp4
         elif "f32" in types:
             peak = self.f32
         return max(kernel.flops / peak, kernel.bytes / self.bandwidth) + self.launch
@@ -303,10 +307,10 @@ ROOFLINES = {
     # The H200's own measurements (RESULTS.md's GPU section): bf16 gemms 663.5 TFLOP/s at
     # 8192^3, TF32 366.7, a device copy 3.67 TB/s; FP8 taken as twice bf16 (not measured).
     "h200": Roofline(663.5e12, 1327e12, 366.7e12, 3.67e12, 2.5e-6),
-    # The B200's nominal dense peaks (2.25 PFLOP/s bf16, 4.5 FP8, 1.1 TF32) and 8 TB/s at the
-    # fractions the H200 measured of its own (0.71 of the bf16 peak, 0.84 of the bandwidth):
-    # no B200 measurement has checked it yet.
-    "b200": Roofline(1600e12, 3200e12, 800e12, 6.7e12, 2.5e-6),
+    # The B200's nominal dense peaks (2.25 PFLOP/s bf16, 4.5 FP8, 9 FP4, 1.1 TF32) and 8 TB/s
+    # at the fractions the H200 measured of its own (0.71 of the bf16 peak, 0.84 of the
+    # bandwidth): no B200 measurement has checked it yet.
+    "b200": Roofline(1600e12, 3200e12, 800e12, 6.7e12, 2.5e-6, fp4=6400e12),
 }
 
 
