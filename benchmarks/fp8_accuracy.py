@@ -40,7 +40,14 @@ import mpjax  # noqa: E402
 import mpjax.flax  # noqa: E402
 import mpjax.fp8  # noqa: E402
 
-VARIANTS = ("O2 bfloat16", "FP8 delayed (default)", "FP8 current", "FP8 current rows")
+VARIANTS = (
+    "O2 bfloat16",
+    "FP8 delayed (default)",
+    "FP8 current",
+    "FP8 current rows",
+    "MXFP8",
+    "NVFP4",
+)
 # How peaked the chain's transitions are: logits ~ N(0, SHARPNESS^2).
 SHARPNESS = 3.0
 
@@ -93,6 +100,8 @@ def train(variant: str, seed: int, size: str, steps: int) -> list[float]:
         recipe = {
             "FP8 current": mpjax.fp8.CurrentScaling(),
             "FP8 current rows": mpjax.fp8.CurrentScaling(granularity="row"),
+            "MXFP8": mpjax.fp8.MXFP8BlockScaling(),
+            "NVFP4": mpjax.fp8.NVFP4BlockScaling(),
         }.get(variant)
         policy = mpjax.fp8.policy("O2", recipe=recipe)
         params = module.init(jax.random.key(seed), x0)["params"]
@@ -126,13 +135,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--size", choices=["tiny", "small"], default="small")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(
+        "--variant", choices=VARIANTS, action="append", help="these only (O2 bfloat16 always)"
+    )
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    variants = VARIANTS
+    if args.variant:
+        variants = tuple(v for v in VARIANTS if v == "O2 bfloat16" or v in args.variant)
     floor = entropy_rate(chain(models.build("transformer", args.size)[0].vocab))
-    final: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    curves: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    final: dict[str, list[float]] = {v: [] for v in variants}
+    curves: dict[str, list[list[float]]] = {v: [] for v in variants}
     for seed in range(args.seeds):
-        for variant in VARIANTS:
+        for variant in variants:
             losses = train(variant, seed, args.size, args.steps)
             if not all(math.isfinite(v) for v in losses):
                 raise RuntimeError(f"{variant}, seed {seed}: a loss is not finite")
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = final["O2 bfloat16"]
     mean0, sd0 = statistics.mean(base), statistics.stdev(base) if len(base) > 1 else 0.0
     rows = []
-    for variant in VARIANTS:
+    for variant in variants:
         mean = statistics.mean(final[variant])
         sd = statistics.stdev(final[variant]) if len(final[variant]) > 1 else 0.0
         within = abs(mean - mean0) <= 2 * sd0

@@ -464,8 +464,8 @@ def nv_quantize(
       >>> import jax.numpy as jnp
       >>> from mpjax._src.float8.fp8_dot import nv_quantize
       >>> q, s = nv_quantize(jnp.arange(16.0).reshape(1, 16), axis=1, scale=jnp.float32(1.0))
-      >>> s.tolist(), q.astype(jnp.float32)[0, -4:].tolist()   # 15 / 6 rounds to 2.5 in E4M3
-      ([[2.5]], [4.0, 4.0, 6.0, 6.0])
+      >>> s.tolist(), q.astype(jnp.float32)[0, -4:].tolist()   # 15 / 6 = 2.5 (E4M3); 12 / 2.5 -> 4
+      ([[2.5]], [4.0, 6.0, 6.0, 6.0])
     """
     moved = jnp.moveaxis(x, axis, -1).astype(jnp.float32) / scale
     *lead, k = moved.shape
