@@ -117,9 +117,17 @@ def scale_kind(scale) -> str:
     return "static" if isinstance(scale, mpjax.StaticLossScale) else "none"
 
 
-def run_name(level: str, half: str) -> str:
+# --fp8-recipe: Hopper's default, or Blackwell's block recipes (emulated off a B200)
+RECIPES = {
+    "delayed": ("FP8", mpjax.fp8.DelayedScaling()),
+    "mxfp8": ("MXFP8", mpjax.fp8.MXFP8BlockScaling()),
+    "nvfp4": ("NVFP4", mpjax.fp8.NVFP4BlockScaling()),
+}
+
+
+def run_name(level: str, half: str, recipe: str = "delayed") -> str:
     if level == "fp8":
-        return f"FP8 O2 {half}"
+        return f"{RECIPES[recipe][0]} O2 {half}"
     return "O0 float32" if level == "O0" else f"{level} {half}"
 
 
@@ -137,6 +145,7 @@ def train(
     loss_weight: float = 1.0,
     name: str | None = None,
     count_zeros: bool = False,
+    recipe: str = "delayed",
 ) -> dict:
     """Trains one run; returns its numbers and per-step histories (JSON-ready).
 
@@ -152,11 +161,16 @@ def train(
       count_zeros: also log, each step, the share of gradient entries that are exactly zero.
         Reading the gradients twice keeps them alive longer, so such a run reports no step
         memory (``temp_bytes`` is None).
+      recipe: the FP8 level's recipe, a key of ``RECIPES``.
     """
     fp8 = level == "fp8"
     # FP8: the wrapper runs the base policy (O2 bfloat16); scaled_value_and_grad runs the dots
     # in FP8.
-    policy = mpjax.fp8.policy("O2", half) if fp8 else mpjax.Policy.from_level(level, half)
+    policy = (
+        mpjax.fp8.policy("O2", half, recipe=RECIPES[recipe][1])
+        if fp8
+        else mpjax.Policy.from_level(level, half)
+    )
     base = policy.base if fp8 else policy
     scale = base.loss_scale() if scale is None else scale
     model = mpjax.flax.wrap(CNN(), policy)  # params in param_dtype, ops per the level
@@ -215,7 +229,7 @@ def train(
 
     rng = np.random.default_rng(seed)
     steps_per_epoch = len(x_train) // batch
-    name = name or run_name(level, half)
+    name = name or run_name(level, half, recipe)
     # Compile before the timed loop; the warm-up step's results are thrown away.
     first = (params, stats, opt_state, fp8_state, x_train[:batch], y_train[:batch])
     step = train_step.lower(*first).compile()
@@ -252,6 +266,7 @@ def train(
         "run": name,
         "level": level,
         "dtype": half if level != "O0" else "float32",
+        "recipe": recipe if fp8 else None,
         "loss_weight": loss_weight,
         "test_accuracy": float(accuracy(params, stats, fp8_state, x_test, y_test)),
         "fp8_sites": fp8_state.num_sites if fp8 else 0,
@@ -288,7 +303,8 @@ def scale_cell(r) -> str:
 
 def is_level_run(r) -> bool:
     """Whether `r` is one of the level runs (not one of the loss-scaling runs)."""
-    return r["loss_weight"] == 1.0 and r["run"] == run_name(r["level"], r["dtype"])
+    recipe = r.get("recipe") or "delayed"
+    return r["loss_weight"] == 1.0 and r["run"] == run_name(r["level"], r["dtype"], recipe)
 
 
 def table(results) -> str:
@@ -518,6 +534,9 @@ def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--level", choices=[*mpjax.LEVELS, "fp8", "all"], default="all")
     parser.add_argument("--dtype", choices=["float16", "bfloat16", "both"], default="both")
+    parser.add_argument(
+        "--fp8-recipe", choices=list(RECIPES), default="delayed", help="the fp8 level's recipe"
+    )
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.05)
@@ -567,7 +586,9 @@ def main(argv=None) -> list[dict]:
     )
     print(title)
     common = (args.epochs, args.batch, args.lr, args.seed, data, not args.no_bar)
-    results = [train(lv, h, *common, scale=level_scale(lv, h)) for lv, h in runs]
+    results = [
+        train(lv, h, *common, scale=level_scale(lv, h), recipe=args.fp8_recipe) for lv, h in runs
+    ]
     if args.level == "all" and "float16" in halves:
         # The loss-scaling runs (module docstring): each logs its zero gradient entries.
         none, weighted = mpjax.NoOpLossScale(), f"loss x{pow2(WEIGHT)}"
