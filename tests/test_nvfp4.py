@@ -221,3 +221,30 @@ def test_the_function_form_names_layers_by_name_scope():
     with pytest.warns(UserWarning, match="no dot_general that can run in FP8"):
         assert mpjax.fp8.init(loss, kept, w, x).num_sites == 0
     assert mpjax.fp8.init(loss, run, w, x).num_sites == 1
+
+
+def test_high_precision_globs_match_module_paths_from_the_top():
+    """A glob names a module path below the top module (or from it): ``"Dense_0"`` keeps the
+    head, not each block's first Dense, and ``"Block_1/*"`` keeps the last block, in the
+    function form over a linen model as under ``wrap``."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.Dense(32)(nn.relu(nn.Dense(64)(x)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = Block()(Block()(x))
+            return nn.Dense(32)(x)
+
+    x = jnp.ones((32, 32))
+    params = Net().init(jax.random.key(0), x)["params"]
+    loss = lambda p, x: jnp.mean(Net().apply({"params": p}, x) ** 2)
+    for kept, sites in (((), 5), (("Dense_0",), 4), (("Block_1/*", "Net/Dense_0"), 2)):
+        pol = mpjax.fp8.policy("O2", recipe=mpjax.fp8.NVFP4BlockScaling(high_precision=kept))
+        assert mpjax.fp8.init(loss, pol, params, x).num_sites == sites, kept
+        wrapped = mpjax.flax.wrap(Net(), pol)
+        wloss = lambda p, x: jnp.mean(wrapped.apply({"params": p}, x) ** 2)  # noqa: B023
+        assert mpjax.fp8.init(wloss, pol, params, x).num_sites == sites, kept

@@ -375,8 +375,8 @@ class _Sites:
         assert self.nv is not None
         if not nv_eligible(*sizes):
             return False
-        stack = str(jc.current_name_stack() + eqn.source_info.name_stack)
-        return not self.nv._keeps(stack)
+        # autocast runs each rule under the equation's full name stack
+        return not self.nv._keeps(str(jc.current_name_stack()))
 
     def rules(self) -> interpret.Registry:
         """Autocast's rules, with eligible dots run in FP8 at their sites, and the scales and

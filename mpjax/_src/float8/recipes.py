@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +172,21 @@ class NVFP4BlockScaling:
         object.__setattr__(self, "high_precision", tuple(self.high_precision))
 
     def _keeps(self, name_stack: str) -> bool:
-        """Whether a dot under `name_stack` stays in the base half (`high_precision`)."""
+        """Whether a dot under `name_stack` stays in the base half (`high_precision`): each
+        glob is matched against the dot's module path, with and without its top module's
+        name (``"Dense_0"`` and ``"TransformerLM/Dense_0"`` both name the head, and not
+        ``"Block_0/Dense_0"``), or its ``jax.named_scope`` names."""
+        while _TRANSFORM.search(name_stack):  # transpose(jvp(Net)) -> Net
+            name_stack = _TRANSFORM.sub(r"\1", name_stack)
         parts = [p for p in name_stack.split("/") if p]
-        tails = ["/".join(parts[i:]) for i in range(len(parts))]
-        return any(_glob(t, pattern) for pattern in self.high_precision for t in tails)
+        parts = [p for p in parts if not p.startswith(_MARKER)]
+        paths = ["/".join(parts), "/".join(parts[1:])]
+        return any(_glob(p, pattern) for pattern in self.high_precision for p in paths if p)
+
+
+# A transformation's wrapper in a name stack, ``jvp(TransformerLM)``, and mpjax's own scopes.
+_TRANSFORM = re.compile(r"\w+\(([^()/]*)\)")
+_MARKER = "mpjax"
 
 
 def _glob(path: str, pattern: str) -> bool:
