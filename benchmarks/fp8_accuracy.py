@@ -47,6 +47,7 @@ VARIANTS = (
     "FP8 current rows",
     "MXFP8",
     "NVFP4",
+    "NVFP4, head and last block bf16",
 )
 # How peaked the chain's transitions are: logits ~ N(0, SHARPNESS^2).
 SHARPNESS = 3.0
@@ -102,6 +103,10 @@ def train(variant: str, seed: int, size: str, steps: int) -> list[float]:
             "FP8 current rows": mpjax.fp8.CurrentScaling(granularity="row"),
             "MXFP8": mpjax.fp8.MXFP8BlockScaling(),
             "NVFP4": mpjax.fp8.NVFP4BlockScaling(),
+            # NVIDIA's choice for its published runs: the last blocks and the head in bf16
+            "NVFP4, head and last block bf16": mpjax.fp8.NVFP4BlockScaling(
+                high_precision=("Dense_0", f"Block_{module.depth - 1}/*")
+            ),
         }.get(variant)
         policy = mpjax.fp8.policy("O2", recipe=recipe)
         params = module.init(jax.random.key(seed), x0)["params"]
