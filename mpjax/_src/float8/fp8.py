@@ -264,7 +264,10 @@ def merge(states: Sequence[FP8State]) -> FP8State:
 # -- running a function with FP8 dots ------------------------------------------------------------
 
 
-def _eligible(eqn: Any, batched_dots: bool = False) -> bool:
+def _eligible(eqn: Any, batched_dots: bool = False, any_rows: bool = False) -> bool:
+    """Whether `eqn` is a dot that may run in FP8: float operands, no batch dimensions
+    (unless `batched_dots`), sizes in multiples of 16; with `any_rows` (the block recipes,
+    which pad the rows) the lhs's free size may be any."""
     if eqn.primitive.name != "dot_general":
         return False
     lhs, rhs = (v.aval for v in eqn.invars)
@@ -276,12 +279,14 @@ def _eligible(eqn: Any, batched_dots: bool = False) -> bool:
     contract = int(np.prod([lhs.shape[d] for d in lc]))
     lfree = int(np.prod([n for d, n in enumerate(lhs.shape) if d not in (*lc, *lb)]))
     rfree = int(np.prod([n for d, n in enumerate(rhs.shape) if d not in (*rc, *rb)]))
+    if any_rows and lfree > 0:
+        lfree = _ALIGN
     return all(n > 0 and n % _ALIGN == 0 for n in (contract, lfree, rfree))
 
 
-def _has_eligible(jaxpr: Any, batched_dots: bool) -> bool:
+def _has_eligible(jaxpr: Any, batched_dots: bool, any_rows: bool = False) -> bool:
     """Whether `jaxpr` or any jaxpr nested in it has an eligible dot (may be a site)."""
-    return any(_eligible(eqn, batched_dots) for eqn in interpret.eqns_within(jaxpr))
+    return any(_eligible(eqn, batched_dots, any_rows) for eqn in interpret.eqns_within(jaxpr))
 
 
 def _trace_state() -> Any:
@@ -340,7 +345,9 @@ class _Sites:
         self.frames: list[tuple[Any, Any, Any]] = [(_trace_state(), scale, sink)]
 
     def __call__(self, eqn: Any, invals: list[Any], mode: Any, keep_constants: bool) -> Any:
-        if eqn.primitive.name not in mode.lower_ops or not _eligible(eqn, self.batched_dots):
+        if eqn.primitive.name not in mode.lower_ops:
+            return None
+        if not _eligible(eqn, self.batched_dots, any_rows=self.mx or self.nv is not None):
             return None
         if self.base is not None and mode != self.base:
             return None
@@ -408,7 +415,10 @@ class _Sites:
         autocast's _bind_with_operands), or None where it holds none."""
         trace, scale, sink = self.frames[-1]
         bodies = [interpret.open_jaxpr(b)[0] for b in interpret.bodies(eqn)]
-        if _trace_state() != trace or not any(_has_eligible(b, self.batched_dots) for b in bodies):
+        rows = self.mx or self.nv is not None
+        if _trace_state() != trace or not any(
+            _has_eligible(b, self.batched_dots, rows) for b in bodies
+        ):
             return None
         consts = [] if scale is None else [scale, sink]
         xs = []

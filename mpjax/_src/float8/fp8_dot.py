@@ -390,14 +390,32 @@ _mx_bmm.defvjp(_mx_fwd, _mx_bwd)
 
 
 def mx_eligible(m: int, k: int, n: int) -> bool:
-    """Whether a gemm's sizes divide into MXFP8 blocks along every contraction its three gemms
-    make: K forward, N for the input gradient, M for the weight gradient."""
-    return all(d > 0 and d % MX_BLOCK == 0 for d in (m, k, n))
+    """Whether a gemm's sizes divide into MXFP8 blocks along the contractions its three gemms
+    make: K forward, N for the input gradient; M (the rows: tokens, the batch), which the
+    weight gradient contracts, is padded with zero rows instead (see `_rows_padded`), so a
+    site does not come and go with the batch size."""
+    return m > 0 and all(d > 0 and d % MX_BLOCK == 0 for d in (k, n))
+
+
+def _rows_padded(block: int, bmm: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """`bmm` of a [B, M, K] with M padded by zero rows to a multiple of `block`, the result's
+    padding cut off. Exact: a zero row adds nothing to the weight gradient's sums and does
+    not change any block's amax (a partial block is quantized as if it stood alone)."""
+
+    def padded(a: Any, b: Any) -> Any:
+        m = a.shape[1]
+        extra = -m % block
+        if not extra:
+            return bmm(a, b)
+        return bmm(jnp.pad(a, ((0, 0), (0, extra), (0, 0))), b)[:, :m]
+
+    return padded
 
 
 def fp8_dot_mx(dims: Any, pref: Any, cudnn: bool, lhs: Any, rhs: Any, sink: Any) -> Any:
     """dot_general through MXFP8 (_mx_bmm of the batched matrices)."""
-    return as_batched_matrices(dims, lhs, rhs, lambda a, b: _mx_bmm(pref, cudnn, a, b, sink))
+    bmm = _rows_padded(MX_BLOCK, lambda a, b: _mx_bmm(pref, cudnn, a, b, sink))
+    return as_batched_matrices(dims, lhs, rhs, bmm)
 
 
 def dot_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> tuple[int, ...]:
@@ -619,13 +637,14 @@ _nv_bmm.defvjp(_nv_fwd, _nv_bwd)
 
 
 def nv_eligible(m: int, k: int, n: int) -> bool:
-    """Whether a gemm's sizes divide into NVFP4 blocks of 16 along every axis its three gemms
-    contract (K, N, M) and its weight's 16 x 16 tiles."""
-    return all(d > 0 and d % NV_BLOCK == 0 for d in (m, k, n))
+    """Whether a gemm's sizes divide into NVFP4 blocks of 16 along the contractions K and N
+    and its weight's 16 x 16 tiles; M is padded (see `mx_eligible`)."""
+    return m > 0 and all(d > 0 and d % NV_BLOCK == 0 for d in (k, n))
 
 
 def fp8_dot_nv(
     dims: Any, pref: Any, cudnn: bool, opts: NVOptions, lhs: Any, rhs: Any, sink: Any
 ) -> Any:
     """dot_general through NVFP4 (_nv_bmm of the batched matrices)."""
-    return as_batched_matrices(dims, lhs, rhs, lambda a, b: _nv_bmm(pref, cudnn, opts, a, b, sink))
+    bmm = _rows_padded(NV_BLOCK, lambda a, b: _nv_bmm(pref, cudnn, opts, a, b, sink))
+    return as_batched_matrices(dims, lhs, rhs, bmm)

@@ -104,8 +104,10 @@ class MXFP8BlockScaling:
     newer). Elsewhere (Hopper, TPU, CPU), where no gemm scales blocks, the same numbers are
     emulated: the E4M3 values times their scales, exactly representable in bfloat16, in a
     bfloat16 gemm with float32 sums. ``mpjax.audit(..., target="b200")`` compiles the B200's
-    program. A dot whose sizes do not all divide into blocks of 32 (its free sizes and its
-    contraction: the three gemms contract each) runs in the base policy's half.
+    program. A dot whose contraction or right operand's free size (a Dense layer's features)
+    does not divide into blocks of 32 runs in the base policy's half; its rows (the batch,
+    the tokens) are padded with zero rows to the block instead, exactly (a zero row changes no
+    block's amax), so a site does not come and go with the batch size.
 
     Example:
       >>> import mpjax.fp8
@@ -143,7 +145,8 @@ class NVFP4BlockScaling:
     On a GPU of compute capability 10 each gemm is a cuDNN block-scaled dot
     (``jax.nn.scaled_matmul``); elsewhere the same numbers are emulated (the values times
     their block scales, exact in bfloat16, in a bfloat16 gemm with float32 sums, times the
-    tensor scales). A dot whose sizes do not all divide by 16 runs in the base half.
+    tensor scales). A dot whose contraction or right operand's free size does not divide by 16
+    runs in the base half; its rows are padded, as :class:`MXFP8BlockScaling`'s are.
 
     Example:
       >>> import mpjax.fp8
