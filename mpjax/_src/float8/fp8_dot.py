@@ -347,15 +347,22 @@ def _mx_gemm(qa: Any, sa: Any, qb: Any, sb: Any, out: Any, cudnn: bool) -> Any:
             qa, qb, sa.astype(E8M0), sb.astype(E8M0), preferred_element_type=out
         )
 
+    return emulated_block_gemm(qa, sa, qb, sb, MX_BLOCK).astype(out)
+
+
+def emulated_block_gemm(qa: Any, sa: Any, qb: Any, sb: Any, block: int) -> Any:
+    """``qa @ qb^T`` ([B, M, K] and [B, N, K]) of block-scaled values where no gemm scales
+    blocks: each value times its block's scale (exact in bfloat16 for E4M3 or E2M1 values
+    and E8M0 or E4M3 scales), in a bfloat16 gemm with float32 sums (the float32 result)."""
+
     def dequantized(q: Any, s: Any) -> Any:
-        blocks = q.reshape(*q.shape[:-1], -1, MX_BLOCK).astype(jnp.float32) * s[..., None]
+        blocks = q.reshape(*q.shape[:-1], -1, block).astype(jnp.float32) * s[..., None]
         return blocks.reshape(q.shape).astype(jnp.bfloat16)
 
     dims = (((2,), (2,)), ((0,), (0,)))
-    acc = lax.dot_general(
+    return lax.dot_general(
         dequantized(qa, sa), dequantized(qb, sb), dims, preferred_element_type=jnp.float32
     )
-    return acc.astype(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -562,15 +569,7 @@ def _nv_gemm(a: tuple[Any, ...], b: tuple[Any, ...], out: Any, cudnn: bool) -> A
             qa, qb, sa.astype(E4M3), sb.astype(E4M3), preferred_element_type=written
         )
     else:
-
-        def dequantized(q: Any, s: Any) -> Any:
-            blocks = q.reshape(*q.shape[:-1], -1, NV_BLOCK).astype(jnp.float32) * s[..., None]
-            return blocks.reshape(q.shape).astype(jnp.bfloat16)
-
-        dims = (((2,), (2,)), ((0,), (0,)))
-        acc = lax.dot_general(
-            dequantized(qa, sa), dequantized(qb, sb), dims, preferred_element_type=jnp.float32
-        ).astype(written)
+        acc = emulated_block_gemm(qa, sa, qb, sb, NV_BLOCK).astype(written)
     return (acc.astype(jnp.float32) * (ta * tb)).astype(out)
 
 
