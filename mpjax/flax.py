@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import fnmatch
 import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -32,6 +31,7 @@ from mpjax._src import hardware, levels
 from mpjax._src.float8 import fp8 as fp8_lib
 from mpjax._src.float8.fp8 import FP8Policy
 from mpjax._src.interpreter.autocast_api import autocast, kernels_in_half
+from mpjax._src.interpreter.module_paths import glob_path
 from mpjax._src.interpreter.regions import F32_REGION, marker_scope, region_key
 from mpjax._src.policy import Policy, cast_floating
 from mpjax._src.scaling import loss_scale as ls_lib
@@ -106,7 +106,7 @@ class _Resolver:
     def _matches(self, key: RuleKey) -> bool:
         if isinstance(key, type):
             return any(issubclass(c, key) for c in self.seen.values())
-        return any(_glob(p, key) for p in self.seen)
+        return any(glob_path(p, key) for p in self.seen)
 
     def _unmatched(self, key: RuleKey) -> str:
         import difflib  # only on the error path
@@ -152,7 +152,7 @@ class _Resolver:
 
     def path_marker(self, path: str) -> str | None:
         for pattern, marker in self.path_rules:
-            if _glob(path, pattern):
+            if glob_path(path, pattern):
                 return marker
         return None
 
@@ -163,11 +163,6 @@ class _Resolver:
             matches = [(mro.index(c), marker) for c, marker in self.class_rules if c in mro]
             self._by_class[cls] = min(matches)[1] if matches else None
         return self._by_class[cls]
-
-
-def _glob(path: str, pattern: str) -> bool:
-    """Whether a module path matches a rule's glob (``"decoder/*"`` matches ``"decoder"`` too)."""
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern)
 
 
 def _key_name(key: Any) -> str:

@@ -24,7 +24,10 @@ from mpjax._src.float8.fp8_dot import (
     GRAD,
     INPUT,
     KERNEL,
+    MX_BLOCK,
+    NV_BLOCK,
     NVOptions,
+    blocks_divide,
     check_scale,
     dot_sizes,
     finite_max,
@@ -33,8 +36,6 @@ from mpjax._src.float8.fp8_dot import (
     fp8_dot_mx,
     fp8_dot_nv,
     fp8_dot_rows,
-    mx_eligible,
-    nv_eligible,
     scale_of,
 )
 from mpjax._src.float8.recipes import (
@@ -279,9 +280,8 @@ def _eligible(eqn: Any, batched_dots: bool = False, any_rows: bool = False) -> b
     contract = int(np.prod([lhs.shape[d] for d in lc]))
     lfree = int(np.prod([n for d, n in enumerate(lhs.shape) if d not in (*lc, *lb)]))
     rfree = int(np.prod([n for d, n in enumerate(rhs.shape) if d not in (*rc, *rb)]))
-    if any_rows and lfree > 0:
-        lfree = _ALIGN
-    return all(n > 0 and n % _ALIGN == 0 for n in (contract, lfree, rfree))
+    aligned = (contract, rfree) if any_rows else (contract, lfree, rfree)
+    return lfree > 0 and all(n > 0 and n % _ALIGN == 0 for n in aligned)
 
 
 def _has_eligible(jaxpr: Any, batched_dots: bool, any_rows: bool = False) -> bool:
@@ -338,6 +338,8 @@ class _Sites:
         self.mx = isinstance(pol.recipe, MXFP8BlockScaling)
         # NVFP4: the same, in blocks of 16 under a tensor scale (its switches per site).
         self.nv = pol.recipe if isinstance(pol.recipe, NVFP4BlockScaling) else None
+        # Both pad a dot's rows to their blocks (fp8_dot._rows_padded): any row count runs.
+        self.pads_rows = self.mx or self.nv is not None
         # Regions under another policy (a per-module rule of mpjax.flax.wrap) stay out of FP8.
         self.base = pol.base
         self.batched_dots = pol.batched_dots
@@ -347,7 +349,7 @@ class _Sites:
     def __call__(self, eqn: Any, invals: list[Any], mode: Any, keep_constants: bool) -> Any:
         if eqn.primitive.name not in mode.lower_ops:
             return None
-        if not _eligible(eqn, self.batched_dots, any_rows=self.mx or self.nv is not None):
+        if not _eligible(eqn, self.batched_dots, any_rows=self.pads_rows):
             return None
         if self.base is not None and mode != self.base:
             return None
@@ -356,9 +358,10 @@ class _Sites:
             return None
         dims = eqn.params["dimension_numbers"]
         lhs_shape, rhs_shape = (v.aval.shape for v in eqn.invars)
-        if self.mx and not mx_eligible(*dot_sizes(lhs_shape, rhs_shape, dims)):
+        sizes = dot_sizes(lhs_shape, rhs_shape, dims)
+        if self.mx and not blocks_divide(MX_BLOCK, *sizes):
             return None  # not in blocks of 32: the base half (the audit names it)
-        if self.nv is not None and not self._nv_runs(eqn, dot_sizes(lhs_shape, rhs_shape, dims)):
+        if self.nv is not None and not self._nv_runs(sizes):
             return None  # not in blocks of 16, or a layer kept in high precision
         i = self.count
         self.count += 1
@@ -378,9 +381,9 @@ class _Sites:
             return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
 
-    def _nv_runs(self, eqn: Any, sizes: tuple[int, ...]) -> bool:
+    def _nv_runs(self, sizes: tuple[int, ...]) -> bool:
         assert self.nv is not None
-        if not nv_eligible(*sizes):
+        if not blocks_divide(NV_BLOCK, *sizes):
             return False
         # autocast runs each rule under the equation's full name stack
         return not self.nv._keeps(str(jc.current_name_stack()))
@@ -415,9 +418,8 @@ class _Sites:
         autocast's _bind_with_operands), or None where it holds none."""
         trace, scale, sink = self.frames[-1]
         bodies = [interpret.open_jaxpr(b)[0] for b in interpret.bodies(eqn)]
-        rows = self.mx or self.nv is not None
         if _trace_state() != trace or not any(
-            _has_eligible(b, self.batched_dots, rows) for b in bodies
+            _has_eligible(b, self.batched_dots, self.pads_rows) for b in bodies
         ):
             return None
         consts = [] if scale is None else [scale, sink]

@@ -396,12 +396,12 @@ def _mx_bwd(pref: Any, cudnn: bool, res: Any, g: Any) -> Any:
 _mx_bmm.defvjp(_mx_fwd, _mx_bwd)
 
 
-def mx_eligible(m: int, k: int, n: int) -> bool:
-    """Whether a gemm's sizes divide into MXFP8 blocks along the contractions its three gemms
-    make: K forward, N for the input gradient; M (the rows: tokens, the batch), which the
-    weight gradient contracts, is padded with zero rows instead (see `_rows_padded`), so a
-    site does not come and go with the batch size."""
-    return m > 0 and all(d > 0 and d % MX_BLOCK == 0 for d in (k, n))
+def blocks_divide(block: int, m: int, k: int, n: int) -> bool:
+    """Whether a gemm's sizes divide into a block recipe's blocks along the contractions its
+    three gemms make: K forward, N for the input gradient (and NVFP4's 16 x 16 weight tiles);
+    M (the rows: tokens, the batch), which the weight gradient contracts, is padded with zero
+    rows instead (see `_rows_padded`), so a site does not come and go with the batch size."""
+    return m > 0 and all(d > 0 and d % block == 0 for d in (k, n))
 
 
 def _rows_padded(block: int, bmm: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
@@ -576,8 +576,8 @@ def _nv_gemm(a: tuple[Any, ...], b: tuple[Any, ...], out: Any, cudnn: bool) -> A
 def _nv_operand(
     x: Any, axis: int, *, square: bool = False, seed: int | None = None, bound: Any = None
 ) -> Any:
-    """(values, block scales, tensor scale, amax) of `x` contracted along `axis`; the tensor
-    scale from `bound` (a bound on x's amax) where given, saving a pass over x."""
+    """((values, block scales, tensor scale), amax) of `x` contracted along `axis`; the
+    tensor scale from `bound` (a bound on x's amax) where given, saving a pass over x."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if bound is None else bound
     scale = nv_tensor_scale(amax)
     q, s = nv_quantize(x, axis, scale, square=square, seed=seed)
@@ -633,12 +633,6 @@ def _nv_bwd(pref: Any, cudnn: bool, opts: NVOptions, res: Any, g: Any) -> Any:
 
 
 _nv_bmm.defvjp(_nv_fwd, _nv_bwd)
-
-
-def nv_eligible(m: int, k: int, n: int) -> bool:
-    """Whether a gemm's sizes divide into NVFP4 blocks of 16 along the contractions K and N
-    and its weight's 16 x 16 tiles; M is padded (see `mx_eligible`)."""
-    return m > 0 and all(d > 0 and d % NV_BLOCK == 0 for d in (k, n))
 
 
 def fp8_dot_nv(

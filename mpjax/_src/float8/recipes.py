@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-import re
+
+from mpjax._src.interpreter.module_paths import glob_path, module_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,21 +179,11 @@ class NVFP4BlockScaling:
         glob is matched against the dot's module path, with and without its top module's
         name (``"Dense_0"`` and ``"TransformerLM/Dense_0"`` both name the head, and not
         ``"Block_0/Dense_0"``), or its ``jax.named_scope`` names."""
-        while _TRANSFORM.search(name_stack):  # transpose(jvp(Net)) -> Net
-            name_stack = _TRANSFORM.sub(r"\1", name_stack)
-        parts = [p for p in name_stack.split("/") if p]
-        parts = [p for p in parts if not p.startswith(_MARKER)]
-        paths = ["/".join(parts), "/".join(parts[1:])]
-        return any(_glob(p, pattern) for pattern in self.high_precision for p in paths if p)
-
-
-# A transformation's wrapper in a name stack, ``jvp(TransformerLM)``, and mpjax's own scopes.
-_TRANSFORM = re.compile(r"\w+\(([^()/]*)\)")
-_MARKER = "mpjax"
-
-
-def _glob(path: str, pattern: str) -> bool:
-    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern)
+        path = module_path(name_stack)
+        if path is None:
+            return False
+        paths = [path, path.partition("/")[2]]
+        return any(glob_path(p, pattern) for pattern in self.high_precision for p in paths if p)
 
 
 Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | NVFP4BlockScaling

@@ -4,6 +4,7 @@ every call of a wrapped NNX model's modules runs in a scope named by its path.""
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -11,12 +12,45 @@ from typing import Any
 
 import jax
 
+from mpjax._src.interpreter.first_order import UNTOUCHED_SCOPE
 from mpjax._src.interpreter.regions import F32_REGION, marker_scope, region_key
 from mpjax._src.policy import Policy
 
 # Module paths travel in the name stack as this scope (``/`` would split it into parts).
 _MODULE_SCOPE = "mpjax_module:"
 _MODULE_RE = re.compile(re.escape(_MODULE_SCOPE) + r"([^/()]*)")
+
+
+# -- reading a module path out of a name stack -------------------------------------------------
+
+# The parts of a name stack that JAX adds: transformations wrapping the scope they entered
+# (``transpose(jvp(Net))``), function calls (``jit(step)``, ``pmap(f)``), and the regions of
+# control flow and remat. What is left is what the user's code named: Flax's module path
+# (``Net/Dense_0``) and any ``jax.named_scope``.
+_TRANSFORM = re.compile(r"(?:jvp|transpose|vmap)\((.*)\)")
+_CALL_SCOPE = re.compile(r"\w+\(.*\)")
+_JAX_SCOPE = re.compile(r"cond|while|body|body_pred|branch_\d+_fun|checkpoint|rematted_computation")
+
+
+def module_path(name_stack: str) -> str | None:
+    """The module path in a name stack (its scopes, no primitive), ``Net/Dense_0`` from
+    ``jit(step)/transpose(jvp(Net))/Dense_0``; None where it has none."""
+    path: list[str] = []
+    for part in name_stack.split("/"):
+        while (m := _TRANSFORM.fullmatch(part)) is not None:
+            part = m.group(1)
+        if not part or _CALL_SCOPE.fullmatch(part) or _JAX_SCOPE.fullmatch(part):
+            continue
+        if part.startswith(("mpjax:", UNTOUCHED_SCOPE + ":")):
+            continue
+        if not path or path[-1] != part:  # a transformation re-entering the same module
+            path.append(part)
+    return "/".join(path) or None
+
+
+def glob_path(path: str, pattern: str) -> bool:
+    """Whether a module path matches a rule's glob (``"decoder/*"`` matches ``"decoder"`` too)."""
+    return fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(path + "/", pattern)
 
 
 # -- tracing: the program, with module paths and float32 regions marked ------------------------

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 from typing import Any
 
 import numpy as np
 
-from mpjax._src.interpreter.first_order import UNTOUCHED_SCOPE
+from mpjax._src.interpreter.module_paths import module_path
 from mpjax._src.interpreter.regions import F32_REGION
 from mpjax._src.tools.gpu_program import GpuProgram
 from mpjax._src.tools.tpu_program import TpuProgram
@@ -440,29 +439,10 @@ def short_source(source: str | None) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
-# The parts of a name stack that JAX adds: transformations wrapping the scope they entered
-# (``transpose(jvp(Net))``), function calls (``jit(step)``, ``pmap(f)``), and the regions of
-# control flow and remat. What is left is what the user's code named: Flax's module path
-# (``Net/Dense_0``) and any ``jax.named_scope``.
-_TRANSFORM = re.compile(r"(?:jvp|transpose|vmap)\((.*)\)")
-_CALL_SCOPE = re.compile(r"\w+\(.*\)")
-_JAX_SCOPE = re.compile(r"cond|while|body|body_pred|branch_\d+_fun|checkpoint|rematted_computation")
-
-
 def _module_path(name: str | None) -> str | None:
     """The module path in an op's name stack, ``Net/Dense_0`` from
     ``jit(step)/transpose(jvp(Net))/Dense_0/dot_general``; None where it has none."""
-    path: list[str] = []
-    for part in (name or "").split("/")[:-1]:  # the last part is the primitive
-        while (m := _TRANSFORM.fullmatch(part)) is not None:
-            part = m.group(1)
-        if not part or _CALL_SCOPE.fullmatch(part) or _JAX_SCOPE.fullmatch(part):
-            continue
-        if part.startswith(("mpjax:", UNTOUCHED_SCOPE + ":")):
-            continue
-        if not path or path[-1] != part:  # a transformation re-entering the same module
-            path.append(part)
-    return "/".join(path) or None
+    return module_path((name or "").rpartition("/")[0])  # the last part is the primitive
 
 
 def _where(name: str | None, source: str | None) -> str:
