@@ -623,6 +623,43 @@ def test_mxfp8_scales_each_block_of_32_by_a_power_of_two_rounded_up():
     assert np.max(np.abs(back.reshape(4, 128)[1] - small) / np.abs(small)) <= 2.0**-4
 
 
+def test_mxfp8_scale_is_the_power_of_two_at_or_above_amax_over_448_exactly():
+    """A block whose amax / 448 is a power of two takes that power as its scale, so its
+    largest value is stored as 448 exactly. ``ceil(log2(.))`` in float32 rounded some of these
+    up one more power (losing a bit of the block's precision); the scale is now made from
+    the float32 bits. Any other amax rounds up to the next power."""
+    from mpjax._src.float8.fp8_dot import mx_quantize
+
+    exact = [448 * 2.0**e for e in range(-20, 12)]
+    above = [v * (1 + 2.0**-10) for v in exact]
+    x = jnp.zeros((2 * len(exact), 32)).at[:, 0].set(jnp.array(exact + above))
+    q, scale, _ = mx_quantize(x, axis=1)
+    want = [2.0**e for e in range(-20, 12)]
+    np.testing.assert_array_equal(scale[:, 0], want + [2 * w for w in want])
+    assert np.all(np.asarray(q[: len(exact), 0], np.float32) == 448.0)
+
+
+def test_mxfp8_quantizing_kernel_is_the_emulations_numbers():
+    """The Pallas kernel a B200 quantizes with (both orientations from one read, run here by
+    Pallas's interpreter) gives mx_quantize's values, scales and amax bit for bit: batched,
+    tiles of 32 and 128, heavy-tailed rows, a block of zeros (scale 1), an inf (saturates,
+    scale 1), and an amax / 448 that is a power of two."""
+    from mpjax._src.float8.fp8_dot import mx_quantize_both
+    from mpjax._src.float8.quantize_kernel import mx_quantize_both as kernel
+
+    k1, k2 = jax.random.split(jax.random.key(7))
+    spread = jnp.exp(3 * jax.random.normal(k2, (2, 96, 1)))
+    x = (jax.random.normal(k1, (2, 96, 256)) * spread).astype(jnp.bfloat16)
+    x = x.at[0, 3, :32].set(0).at[1, 5, 40].set(jnp.inf).at[0, 0, 0].set(448 * 2.0**-15)
+    want, got = mx_quantize_both(x, False), kernel(x, interpret=True)
+    for (wq, ws), (gq, gs) in zip(want[:2], got[:2]):
+        assert gq.dtype == jnp.float8_e4m3fn and gs.dtype == jnp.float8_e8m0fnu
+        np.testing.assert_array_equal(np.asarray(gq, np.float32), np.asarray(wq, np.float32))
+        np.testing.assert_array_equal(np.asarray(gs, np.float32), np.asarray(ws, np.float32))
+    assert got[1][0].shape == (2, 256, 96) and got[1][1].shape == (2, 256, 3)
+    assert float(got[2]) == float(want[2]) == np.inf
+
+
 @pytest.mark.parametrize("cudnn", [False])
 def test_mxfp8_quantizes_each_operand_along_each_gemms_contraction(cudnn):
     """The forward gemm and both gradient gemms are E4M3 with each operand quantized from its

@@ -14,6 +14,9 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from mpjax._src.float8.quantize_kernel import e8m0_exponent_bits
+from mpjax._src.float8.quantize_kernel import mx_quantize_both as mx_quantize_both_kernel
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 # The three tensors of a dot site: activations and weights (forward), gradients (backward).
@@ -328,13 +331,24 @@ def mx_quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Arra
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK)
     blocks = blocks.astype(jnp.float32)
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    usable = (amax > 0) & jnp.isfinite(amax)
-    exponent = jnp.ceil(jnp.log2(jnp.where(usable, amax, 1.0) / finite_max(E4M3)))
-    exponent = jnp.where(usable, jnp.clip(exponent, -127, 127), 0.0).astype(jnp.int32)
-    scale = jnp.ldexp(jnp.ones_like(amax), exponent)  # exactly 2**exponent (exp2 rounds)
+    scale = lax.bitcast_convert_type(e8m0_exponent_bits(amax), jnp.float32)
     lim = finite_max(E4M3)
     q = jnp.clip(blocks / scale, -lim, lim).astype(E4M3).reshape(moved.shape)
     return q, scale[..., 0], jnp.max(amax)
+
+
+Pair = tuple[Any, Any]  # (values, block scales)
+
+
+def mx_quantize_both(x: jax.Array, kernel: bool) -> tuple[Pair, Pair, jax.Array]:
+    """`x` [B, R, C] quantized along C and along R: ((values [B, R, C], scales), (values
+    [B, C, R], scales), amax). `kernel` (a GPU that scales blocks) reads x once in one Pallas
+    kernel (`quantize_kernel`); elsewhere the same numbers from `mx_quantize` twice."""
+    if kernel:
+        return mx_quantize_both_kernel(x)
+    q, s, amax = mx_quantize(x, 2)
+    qt, st, _ = mx_quantize(x, 1)
+    return (q, s), (qt, st), amax
 
 
 def _mx_gemm(qa: Any, sa: Any, qb: Any, sb: Any, out: Any, cudnn: bool) -> Any:
@@ -372,24 +386,24 @@ def _mx_bmm(pref: Any, cudnn: bool, a: Any, b: Any, sink: Any) -> Any:
 
 
 def _mx_fwd(pref: Any, cudnn: bool, a: Any, b: Any, sink: Any) -> Any:
-    # The residuals are the operands as they came (half): the backward gemms contract other
-    # axes, and the recipe quantizes each operand from its high-precision value along the
-    # axis each gemm contracts (a transposed quantized copy is not the same numbers).
+    # Each operand is quantized from its high-precision value along the axis each gemm it
+    # feeds contracts (a transposed quantized copy is not the same numbers), both at once:
+    # the forward gemm takes one copy, and the other is the residual (one byte an element,
+    # where the half operand is two) for the weight gradient (a along M) or the input
+    # gradient (b along N).
     del sink
-    qa, sa, amax_a = mx_quantize(a, 2)  # [B, M, K]
-    qb, sb, amax_b = mx_quantize(b, 1)  # [B, N, K]
-    out = _mx_gemm(qa, sa, qb, sb, pref, cudnn)
-    return out, (a, b, amax_a, amax_b)
+    a_k, a_m, amax_a = mx_quantize_both(a, cudnn)  # [B, M, K] and [B, K, M]
+    b_n, b_k, amax_b = mx_quantize_both(b, cudnn)  # [B, K, N] and [B, N, K]
+    out = _mx_gemm(*a_k, *b_k, pref, cudnn)
+    dtypes = (jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))  # the cotangents' dtypes
+    return out, (a_m, b_n, amax_a, amax_b, dtypes)
 
 
 def _mx_bwd(pref: Any, cudnn: bool, res: Any, g: Any) -> Any:
-    a, b, amax_a, amax_b = res
-    qg, sg, amax_g = mx_quantize(g, 2)  # [B, M, N], contracted over N
-    qb, sb, _ = mx_quantize(b, 2)  # [B, K, N]
-    da = _mx_gemm(qg, sg, qb, sb, a.dtype, cudnn)  # [B, M, K]
-    qa, sa, _ = mx_quantize(a, 1)  # [B, K, M], contracted over M
-    qg, sg, _ = mx_quantize(g, 1)  # [B, N, M]
-    db = _mx_gemm(qa, sa, qg, sg, b.dtype, cudnn)  # [B, K, N]
+    (qa, sa), (qb, sb), amax_a, amax_b, (a_dtype, b_dtype) = res  # a along M, b along N
+    (qg, sg), (qgt, sgt), amax_g = mx_quantize_both(g, cudnn)  # [B, M, N] and [B, N, M]
+    da = _mx_gemm(qg, sg, qb, sb, a_dtype.dtype, cudnn)  # [B, M, K]
+    db = _mx_gemm(qa, sa, qgt, sgt, b_dtype.dtype, cudnn)  # [B, K, N]
     return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 
