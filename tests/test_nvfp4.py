@@ -32,8 +32,10 @@ def _rounded(x, dtype):
 
 def _nv_reference(x, axis, square=False, amax=None):
     """NumPy's NVFP4 round trip of `x` along `axis` (round to nearest even): float32 arithmetic
-    as the recipe's, values rounded to E4M3 and E2M1 by the installed JAX's conversion (JAX
-    0.6's rounds some float32 values otherwise than ml_dtypes does)."""
+    as the recipe's, block scales rounded to E4M3 by the installed JAX's conversion (JAX 0.6's
+    rounds some float32 values otherwise than ml_dtypes does), values to E2M1 by ml_dtypes'
+    (mpjax rounds to E2M1 by arithmetic, to nearest even on every JAX: 0.6's conversion is
+    off it for some values)."""
     x = np.moveaxis(np.asarray(x, np.float32), axis, -1)
     amax = np.float32(np.abs(x).max() if amax is None else amax)
     scale = amax / np.float32(6 * 448) if amax > 0 else np.float32(1)
@@ -45,7 +47,8 @@ def _nv_reference(x, axis, square=False, amax=None):
         tiles = block_amax.reshape(*blocks.shape[:-3], rows // 16, 16, cols, 1).max(-3)
         block_amax = np.repeat(tiles, 16, axis=-3)
     s = _rounded(block_amax / np.float32(6), jnp.float8_e4m3fn)
-    q = _rounded(np.clip(blocks / np.where(s > 0, s, 1), -6, 6), jnp.float4_e2m1fn)
+    q = np.clip(blocks / np.where(s > 0, s, 1), -6, 6).astype(ml_dtypes.float4_e2m1fn)
+    q = q.astype(np.float32)
     back = q.astype(np.float64) * s * np.float64(scale)
     return np.moveaxis(back.reshape(x.shape), -1, axis)
 
@@ -282,3 +285,44 @@ def test_a_block_recipe_site_does_not_depend_on_the_batch_size(recipe):
         value, grad, _ = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, w, x[:rows])
         exact = jax.grad(loss)(w, x[:rows])
         assert np.linalg.norm(grad - exact) / np.linalg.norm(exact) < 0.3
+
+
+def test_e2m1_rounding_is_round_to_nearest_even_by_arithmetic():
+    """The rounding the quantizing kernel and XLA's program share (floor and selects, no
+    conversion) is E2M1's round to nearest, ties to the even code, as ml_dtypes rounds: on
+    every grid point, every midpoint and values between them, both signs."""
+    from mpjax._src.float8.quantize_kernel import e2m1_magnitude
+
+    y = np.concatenate([np.linspace(0, 6, 4801), (GRID[1:] + GRID[:-1]) / 2]).astype(np.float32)
+    y = np.concatenate([y, -y])
+    want = np.abs(y.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(e2m1_magnitude(jnp.abs(jnp.asarray(y)), None)), want)
+
+
+@pytest.mark.parametrize("role", ["input", "gradient", "weight", "weight, 1 x 16 blocks"])
+def test_the_quantizing_kernel_is_the_emulations_numbers(role):
+    """The Pallas kernel a B200 quantizes with (both copies from one read, run here by
+    Pallas's interpreter) gives what XLA's program gives: a layer input's two copies (the
+    second rotated by the Hadamard transform), a gradient's (rotated and rounded
+    stochastically), a weight's (16 x 16 tiles: the two copies are the same numbers) and a
+    weight's in 1 x 16 blocks. Bit for bit, but where a rotated value's float32 sum is
+    summed in another order and its noise then differs (a few in ten thousand)."""
+    from mpjax._src.float8.fp8_dot import nv_quantize_both
+
+    k1, k2 = jax.random.split(jax.random.key(9))
+    spread = jnp.exp(2 * jax.random.normal(k2, (2, 96, 1)))
+    x = (jax.random.normal(k1, (2, 96, 64)) * spread).astype(jnp.bfloat16)
+    x = x.at[0, :16, :16].set(0)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    opts = NVOptions(hadamard=True, stochastic=True, square=role == "weight", seed=3)
+    weight = role.startswith("weight")
+    seeds = (6, 7) if role == "gradient" else (None, None)
+    kw = dict(weight=weight, seeds=seeds)
+    want = nv_quantize_both(x, amax, False, opts, **kw)
+    got = nv_quantize_both(x, amax, True, opts, interpret=True, **kw)
+    for copy, (w, g) in enumerate(zip(want, got)):
+        assert g[0].dtype == jnp.float4_e2m1fn and g[1].dtype == jnp.float8_e4m3fn
+        assert g[0].shape == w[0].shape and float(g[2]) == float(w[2])
+        np.testing.assert_array_equal(np.asarray(g[1], np.float32), np.asarray(w[1], np.float32))
+        differ = np.mean(np.asarray(g[0], np.float32) != np.asarray(w[0], np.float32))
+        assert differ <= (2e-3 if (copy, role) == (1, "gradient") else 0), (copy, differ)

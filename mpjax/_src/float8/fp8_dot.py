@@ -14,8 +14,15 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
-from mpjax._src.float8.quantize_kernel import e8m0_exponent_bits
+from mpjax._src.float8.quantize_kernel import (
+    e2m1_magnitude,
+    e8m0_exponent_bits,
+    hadamard,
+    hash_uniform,
+)
 from mpjax._src.float8.quantize_kernel import mx_quantize_both as mx_quantize_both_kernel
+from mpjax._src.float8.quantize_kernel import nv_quantize_both as nv_quantize_both_kernel
+from mpjax._src.float8.quantize_kernel import nv_tensor_scale as _nv_tensor_scale
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -459,9 +466,7 @@ def nv_tensor_scale(amax: jax.Array) -> jax.Array:
     """NVFP4's float32 tensor scale: the tensor's amax / (6 x 448), so that every block's scale
     (its amax / 6, in tensor-scale units) fits E4M3. 1 for a tensor of zeros or one holding an
     inf or a NaN."""
-    usable = (amax > 0) & jnp.isfinite(amax)
-    top = _E2M1_MAX * finite_max(E4M3)
-    return jnp.where(usable, amax / top, 1.0).astype(jnp.float32)
+    return _nv_tensor_scale(jnp.asarray(amax, jnp.float32))
 
 
 def _uniform(x: jax.Array, seed: int) -> jax.Array:
@@ -469,24 +474,14 @@ def _uniform(x: jax.Array, seed: int) -> jax.Array:
     and `seed` (counter-based, as Philox is: the same tensor and seed give the same noise, so a
     step replays exactly; elementwise, so it fuses into the quantizing kernel)."""
     index = lax.iota(jnp.uint32, x.size).reshape(x.shape)
-    h = lax.bitcast_convert_type(x, jnp.uint32) ^ (index * np.uint32(0x9E3779B1))
-    h = h ^ np.uint32((seed * 0x85EBCA77 + 0x165667B1) & 0xFFFFFFFF)
-    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):  # lowbias32's finalizer
-        h = (h ^ (h >> np.uint32(shift))) * np.uint32(mul)
-    h = h ^ (h >> np.uint32(16))
-    return (h >> np.uint32(8)).astype(jnp.float32) * np.float32(2.0**-24)
+    return hash_uniform(lax.bitcast_convert_type(x, jnp.uint32), index, seed)
 
 
 def _round_e2m1(y: jax.Array, seed: int | None) -> jax.Array:
     """`y` (|y| <= 6) onto E2M1's grid (0, 0.5, 1, 1.5, 2, 3, 4, 6): to nearest even, or, given
     a `seed`, stochastically (up with probability the distance from the grid point below)."""
-    if seed is None:
-        return y.astype(E2M1)
-    a = jnp.abs(y)
-    step = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0))
-    below = jnp.floor(a / step) * step
-    up = _uniform(y, seed) < (a - below) / step
-    return (jnp.sign(y) * jnp.minimum(jnp.where(up, below + step, below), _E2M1_MAX)).astype(E2M1)
+    noise = None if seed is None else _uniform(y, seed)
+    return (jnp.sign(y) * e2m1_magnitude(jnp.abs(y), noise)).astype(E2M1)
 
 
 def nv_quantize(
@@ -527,13 +522,15 @@ def hadamard_signs(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), NV_BLOCK)
 
 
-def _hadamard(seed: int) -> np.ndarray:
+def _negated(seed: int) -> int:
+    """The Hadamard transform's random column signs (`hadamard_signs`) as a bit mask."""
+    return sum(1 << j for j, sign in enumerate(hadamard_signs(seed)) if sign < 0)
+
+
+def _hadamard(seed: int) -> jax.Array:
     """``H diag(signs) / 4``: the 16 x 16 Sylvester Hadamard matrix with random column signs
-    (fixed by `seed`), orthonormal."""
-    h = np.ones((1, 1), np.float32)
-    while h.shape[0] < NV_BLOCK:
-        h = np.block([[h, h], [h, -h]])
-    return (h * hadamard_signs(seed) / np.sqrt(NV_BLOCK)).astype(np.float32)
+    (fixed by `seed`), orthonormal (see quantize_kernel.hadamard)."""
+    return hadamard(_negated(seed))
 
 
 def rht(x: jax.Array, seed: int) -> jax.Array:
@@ -555,7 +552,7 @@ def rht(x: jax.Array, seed: int) -> jax.Array:
     b, m = x.shape[:2]
     rest = x.shape[2:]
     blocks = x.astype(jnp.float32).reshape(b, m // NV_BLOCK, 1, NV_BLOCK, *rest)
-    h = jnp.asarray(_hadamard(seed)).reshape(NV_BLOCK, NV_BLOCK, *(1,) * len(rest))
+    h = _hadamard(seed).reshape(NV_BLOCK, NV_BLOCK, *(1,) * len(rest))
     return jnp.sum(blocks * h, axis=3).reshape(x.shape)
 
 
@@ -587,15 +584,43 @@ def _nv_gemm(a: tuple[Any, ...], b: tuple[Any, ...], out: Any, cudnn: bool) -> A
     return (acc.astype(jnp.float32) * (ta * tb)).astype(out)
 
 
-def _nv_operand(
-    x: Any, axis: int, *, square: bool = False, seed: int | None = None, bound: Any = None
-) -> Any:
-    """((values, block scales, tensor scale), amax) of `x` contracted along `axis`; the
-    tensor scale from `bound` (a bound on x's amax) where given, saving a pass over x."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32) if bound is None else bound
+def nv_quantize_both(
+    x: jax.Array,
+    amax: jax.Array,
+    kernel: bool,
+    opts: NVOptions,
+    *,
+    weight: bool,
+    seeds: Any,
+    interpret: bool = False,
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """`x` [B, R, C] (its amax given) quantized to NVFP4 along C and along R, the second copy
+    rotated along R first where the recipe rotates a weight gradient's operands (not a
+    weight's): ((values [B, R, C], block scales, tensor scale), (values [B, C, R], block
+    scales, tensor scale)). `kernel` (a GPU that scales blocks) reads x once in one Pallas
+    kernel (`quantize_kernel`; `interpret` runs it anywhere, for tests); elsewhere the same
+    numbers from `nv_quantize`. A weight is
+    scaled in 16 x 16 tiles where the recipe says so, and its two copies are then the same
+    numbers."""
+    square = weight and opts.square
+    rotate = opts.hadamard and not weight
     scale = nv_tensor_scale(amax)
-    q, s = nv_quantize(x, axis, scale, square=square, seed=seed)
-    return (q, s, scale), amax
+    # a rotation's tensor scale from 4 x the known amax (no element of it exceeds that):
+    # E4M3 block scales keep their 3 bits over the 2 bits of range this gives up, and no pass
+    # over the rotated tensor is spent on its exact amax
+    scale_t = nv_tensor_scale(4 * amax) if rotate else scale
+    if kernel:
+        negated = _negated(opts.seed) if rotate else None
+        along_c, along_r = nv_quantize_both_kernel(
+            x, amax, negated, square=square, seeds=seeds, interpret=interpret
+        )
+        return (*along_c, scale), (*along_r, scale_t)
+    if square:  # one quantizing: the copy along R is the one along C transposed
+        tiled = (*nv_quantize(x, 1, scale, square=True), scale)
+        return _transposed(tiled), tiled
+    rows = nv_quantize(x, 2, scale, seed=seeds[0])
+    x_t = rht(x, opts.seed) if rotate else x
+    return (*rows, scale), (*nv_quantize(x_t, 1, scale_t, seed=seeds[1]), scale_t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -605,14 +630,17 @@ def _nv_bmm(pref: Any, cudnn: bool, opts: NVOptions, a: Any, b: Any, sink: Any) 
 
 
 def _nv_fwd(pref: Any, cudnn: bool, opts: NVOptions, a: Any, b: Any, sink: Any) -> Any:
+    # Both copies of each operand at once, as MXFP8's: the forward gemm takes one, the other
+    # is the residual (half a byte an element) for the gradient gemm that contracts the
+    # other axis. The weight's tiles are square by default, so its copies are one quantizing.
     del sink
-    qa, amax_a = _nv_operand(a, 2)  # [B, M, K]
-    qb, amax_b = _nv_operand(b, 1, square=opts.square)  # [B, N, K]
-    out = _nv_gemm(qa, qb, pref, cudnn)
-    # With square tiles the weight's copy serves the input gradient too (transposed): the
-    # weight is quantized once per step. Without, it is quantized again along N.
-    kept = qb if opts.square else None
-    return out, (a, b, kept, amax_a, amax_b)
+    amax_a, amax_b = _amax(a), _amax(b)
+    no_noise = (None, None)
+    a_k, a_m = nv_quantize_both(a, amax_a, cudnn, opts, weight=False, seeds=no_noise)
+    b_n, b_k = nv_quantize_both(b, amax_b, cudnn, opts, weight=True, seeds=no_noise)
+    out = _nv_gemm(a_k, b_k, pref, cudnn)
+    dtypes = (jnp.zeros((0,), a.dtype), jnp.zeros((0,), b.dtype))  # the cotangents' dtypes
+    return out, (a_m, b_n, amax_a, amax_b, dtypes)
 
 
 def _transposed(q: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -628,21 +656,12 @@ def _transposed(q: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _nv_bwd(pref: Any, cudnn: bool, opts: NVOptions, res: Any, g: Any) -> Any:
-    a, b, kept, amax_a, amax_b = res
+    a_m, b_n, amax_a, amax_b, (a_dtype, b_dtype) = res
     seeds = (opts.seed * 2, opts.seed * 2 + 1) if opts.stochastic else (None, None)
-    qg, amax_g = _nv_operand(g, 2, seed=seeds[0])  # [B, M, N], contracted over N
-    qb = _transposed(kept) if kept is not None else _nv_operand(b, 2)[0]  # [B, K, N]
-    da = _nv_gemm(qg, qb, a.dtype, cudnn)  # [B, M, K]
-    bounds = (None, None)
-    if opts.hadamard:  # the weight gradient contracts M: rotate both operands along it
-        a, g = rht(a, opts.seed), rht(g, opts.seed)
-        # Their tensor scales from 4 x the amaxes already known (no element of a rotation
-        # exceeds it): E4M3 block scales keep their 3 bits over the 2 bits of range this
-        # gives up, and no pass over the rotated tensors is spent on their exact amax.
-        bounds = (4 * amax_a, 4 * amax_g)
-    qa, _ = _nv_operand(a, 1, bound=bounds[0])  # [B, K, M]
-    qg, _ = _nv_operand(g, 1, seed=seeds[1], bound=bounds[1])  # [B, N, M]
-    db = _nv_gemm(qa, qg, b.dtype, cudnn)  # [B, K, N]
+    amax_g = _amax(g)
+    g_n, g_m = nv_quantize_both(g, amax_g, cudnn, opts, weight=False, seeds=seeds)
+    da = _nv_gemm(g_n, b_n, a_dtype.dtype, cudnn)  # [B, M, K]
+    db = _nv_gemm(a_m, g_m, b_dtype.dtype, cudnn)  # [B, K, N], both rotated along M
     return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 
