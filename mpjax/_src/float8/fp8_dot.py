@@ -599,9 +599,8 @@ def nv_quantize_both(
     weight's): ((values [B, R, C], block scales, tensor scale), (values [B, C, R], block
     scales, tensor scale)). `kernel` (a GPU that scales blocks) reads x once in one Pallas
     kernel (`quantize_kernel`; `interpret` runs it anywhere, for tests); elsewhere the same
-    numbers from `nv_quantize`. A weight is
-    scaled in 16 x 16 tiles where the recipe says so, and its two copies are then the same
-    numbers."""
+    numbers from `nv_quantize`. A weight is scaled in 16 x 16 tiles where the recipe says
+    so, and its two copies are then the same numbers."""
     square = weight and opts.square
     rotate = opts.hadamard and not weight
     scale = nv_tensor_scale(amax)
