@@ -623,6 +623,42 @@ def test_mxfp8_scales_each_block_of_32_by_a_power_of_two_rounded_up():
     assert np.max(np.abs(back.reshape(4, 128)[1] - small) / np.abs(small)) <= 2.0**-4
 
 
+def test_the_quantizing_kernels_run_where_the_traced_for_gpu_has_them():
+    """What a program is traced for decides which quantizing kernels it gets: the H100
+    (compute capability 9.0) writes float8 from its own kernels but scales no blocks, the
+    B200 (10.0) does both, this machine's CPU neither."""
+    from mpjax._src import hardware
+    from mpjax._src.tools import gpu_program
+
+    for target, capability, blocks in (("h100", 9.0, False), ("b200", 10.0, True)):
+        with hardware.tracing_for(gpu_program.target_config(target)):
+            assert hardware.traced_capability() == capability
+            assert hardware.fp8_kernels() and hardware.block_scaled_gemms() == blocks
+    if jax.default_backend() == "cpu":
+        assert hardware.traced_capability() is None and not hardware.fp8_kernels()
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_per_row_quantizing_kernel_is_the_emulations_numbers(q_dtype):
+    """The Pallas kernel a GPU with float8 kernels quantizes per-row operands with (both
+    copies from one read, run here by Pallas's interpreter) gives XLA's numbers bit for bit:
+    each row and each column with its own current scale, a row of zeros (scale 1), an inf
+    (saturates), the copy along the rows transposed."""
+    from mpjax._src.float8.fp8_dot import _rows_both
+    from mpjax._src.float8.quantize_kernel import rows_quantize_both
+
+    k1, k2 = jax.random.split(jax.random.key(5))
+    x = jax.random.normal(k1, (2, 48, 64)) * jnp.exp(2 * jax.random.normal(k2, (2, 48, 1)))
+    x = x.astype(jnp.bfloat16).at[0, 3].set(0).at[1, 7, 9].set(jnp.inf)
+    want = _rows_both(x, q_dtype, 0, kernel=False)
+    (_, row_scale), (_, col_scale), _ = want
+    rows, cols = rows_quantize_both(x, row_scale, col_scale, q_dtype=q_dtype, interpret=True)
+    assert rows.dtype == q_dtype and cols.shape == (2, 64, 48)
+    as_f32 = lambda v: np.asarray(v, np.float32)
+    np.testing.assert_array_equal(as_f32(rows), as_f32(want[0][0]))
+    np.testing.assert_array_equal(as_f32(jnp.swapaxes(cols, 1, 2)), as_f32(want[1][0]))
+
+
 def test_mxfp8_scale_is_the_power_of_two_at_or_above_amax_over_448_exactly():
     """A block whose amax / 448 is a power of two takes that power as its scale, so its
     largest value is stored as 448 exactly. ``ceil(log2(.))`` in float32 rounded some of these

@@ -458,11 +458,11 @@ def test_quantized_state_update_counted_in_the_h100_program():
 def test_fp8_pays_in_the_h100_program_by_the_roofline():
     """A GPT-style LM's Adam step in the H100 program (benchmarks/fp8_program.py), timed by the
     roofline over its kernels: at d_model 4096 delayed scaling is >= 1.3x faster than O2
-    bfloat16 (measured 1.32x) and current scaling >= 1.2x (1.25x), per-row scaling >= 1.15x
-    (1.17x; the issue's 1.2x is not reached), each with no more compiled temp memory (368,
-    500, 564 MiB against 640; per-row kept 1,104 before its weights' two copies were written
-    in one forward pass). At the GPU benchmark's Transformer size every recipe is faster
-    than O2 bfloat16 (1.22x, 1.17x, 1.09x)."""
+    bfloat16 (measured 1.32x) and current scaling >= 1.2x (1.25x), per-row scaling >= 1.2x
+    (1.21x; 1.18x before each operand's two copies were written by one Pallas kernel), each
+    with no more compiled temp memory (368, 500, 532 MiB against 640; per-row kept 1,104
+    before its weights' two copies were written in one forward pass). At the GPU
+    benchmark's Transformer size every recipe is faster than O2 bfloat16."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -473,7 +473,7 @@ def test_fp8_pays_in_the_h100_program_by_the_roofline():
     speed = {k: o2["modeled_seconds"] / r["modeled_seconds"] for k, r in large.items()}
     assert speed["FP8 delayed"] >= 1.3, speed
     assert speed["FP8 current"] >= 1.2, speed
-    assert speed["FP8 current per row"] >= 1.15, speed
+    assert speed["FP8 current per row"] >= 1.2, speed
     for name in ("FP8 delayed", "FP8 current", "FP8 current per row"):
         assert large[name]["temp_bytes"] <= o2["temp_bytes"], (name, large[name], o2)
     for name in ("FP8 delayed", "FP8 current"):

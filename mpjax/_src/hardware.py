@@ -108,14 +108,32 @@ def tracing_for(target_config: str | None) -> Iterator[None]:
         _TARGET.reset(token)
 
 
+def traced_capability() -> float | None:
+    """The compute capability (9.0) of the NVIDIA GPU a program is being traced for: the
+    target being compiled for (see tracing_for), else this machine's first device; None
+    where that is no NVIDIA GPU."""
+    config = _TARGET.get()
+    if config is not None:
+        found = re.search(
+            r"cuda_compute_capability\s*\{\s*major:\s*(\d+)(?:\s*minor:\s*(\d+))?", config
+        )
+        if found is None:
+            return None
+        return float(f"{found.group(1)}.{found.group(2) or 0}")
+    device = jax.devices()[0]
+    return _capability(device) if device.platform == "gpu" else None
+
+
 def block_scaled_gemms() -> bool:
     """Whether the GPU a program is being traced for has tensor cores that scale blocks
     (compute capability 10 or more: Blackwell), so MXFP8 gemms run as cuDNN block-scaled
     dots: the target being compiled for (see tracing_for), else this machine's first device."""
-    config = _TARGET.get()
-    if config is not None:
-        found = re.search(r"cuda_compute_capability\s*\{\s*major:\s*(\d+)", config)
-        return found is not None and int(found.group(1)) >= 10
-    device = jax.devices()[0]
-    cc = _capability(device) if device.platform == "gpu" else None
+    cc = traced_capability()
     return cc is not None and cc >= 10
+
+
+def fp8_kernels() -> bool:
+    """Whether the GPU a program is being traced for writes float8 from its own kernels
+    (Triton's, compute capability 8.9 or more: Ada, Hopper, Blackwell)."""
+    cc = traced_capability()
+    return cc is not None and cc >= 8.9

@@ -14,6 +14,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from mpjax._src import hardware
 from mpjax._src.float8.quantize_kernel import (
     e2m1_magnitude,
     e8m0_exponent_bits,
@@ -23,6 +24,7 @@ from mpjax._src.float8.quantize_kernel import (
 from mpjax._src.float8.quantize_kernel import mx_quantize_both as mx_quantize_both_kernel
 from mpjax._src.float8.quantize_kernel import nv_quantize_both as nv_quantize_both_kernel
 from mpjax._src.float8.quantize_kernel import nv_tensor_scale as _nv_tensor_scale
+from mpjax._src.float8.quantize_kernel import rows_quantize_both as rows_quantize_both_kernel
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -247,6 +249,28 @@ def _fp8_bmm_rows(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
     return _rows_fwd(pref, margin, a, b, sink)[0]
 
 
+def _row_scales(x: Any, q_dtype: Any, margin: int) -> tuple[Any, Any, Any]:
+    """The current per-row scales of `x` [B, R, C] along C ([B, R, 1]) and along R ([B, 1,
+    C]), and x's amax."""
+    rows = jnp.max(jnp.abs(x), axis=2, keepdims=True).astype(jnp.float32)
+    cols = jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32)
+    scale = lambda amax: _current_scale(amax, q_dtype, margin)
+    return scale(rows), scale(cols), jnp.max(rows)
+
+
+def _rows_both(x: Any, q_dtype: Any, margin: int, kernel: bool) -> Any:
+    """((x along C [B, R, C], its scales [B, R, 1]), (x along R, its scales [B, 1, C]), amax):
+    both per-row copies. On a GPU that writes float8 from its own kernels (`kernel`), one
+    Pallas kernel writes both from one read (the copy along R transposed, [B, C, R], which
+    the gemm reads as x's layout); elsewhere XLA's passes (the copy along R as [B, R, C])."""
+    if kernel and x.shape[1] % NV_BLOCK == 0 and x.shape[2] % NV_BLOCK == 0:
+        row_scale, col_scale, amax = _row_scales(x, q_dtype, margin)
+        rows, cols = rows_quantize_both_kernel(x, row_scale, col_scale, q_dtype=q_dtype)
+        return (rows, row_scale), (jnp.swapaxes(cols, 1, 2), col_scale), amax
+    q, s, amax = _rows_quantized(x, 2, q_dtype, margin)
+    return (q, s), _rows_quantized(x, 1, q_dtype, margin)[:2], amax
+
+
 def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
     # Each operand is contracted along one axis forward and along the other backward, so
     # it is quantized twice; the backward copies are the residuals. The barrier writes the
@@ -256,10 +280,9 @@ def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
     # keeps 1.7x O2's temp memory), or, where the step donates its buffers, in a pass of
     # its own (0.6 ms more in the H100 program of benchmarks/fp8_program.py).
     del sink
-    qa, sa, amax_a = _rows_quantized(a, 2, E4M3, margin)
-    qb, sb, amax_b = _rows_quantized(b, 1, E4M3, margin)
-    a_by_m = _rows_quantized(a, 1, E4M3, margin)[:2]  # for db: contracted over M
-    b_by_n = _rows_quantized(b, 2, E4M3, margin)[:2]  # for da: contracted over N
+    kernel = hardware.fp8_kernels()
+    (qa, sa), a_by_m, amax_a = _rows_both(a, E4M3, margin, kernel)  # a_by_m: for db
+    b_by_n, (qb, sb), amax_b = _rows_both(b, E4M3, margin, kernel)  # b_by_n: for da
     # The barrier keeps XLA from moving the weight's backward copy to where it is used.
     qb, b_by_n = lax.optimization_barrier((qb, b_by_n))
     out = _row_gemm(qa, sa, 2, qb, sb, 1, pref)
@@ -269,10 +292,9 @@ def _rows_fwd(pref: Any, margin: int, a: Any, b: Any, sink: Any) -> Any:
 
 def _rows_bwd(pref: Any, margin: int, res: Any, g: Any) -> Any:
     (qa, sa), (qb, sb), amax_a, amax_b, a_like, b_like = res
-    qg, sg, amax_g = _rows_quantized(g, 2, E5M2, margin)
+    (qg, sg), (qgt, sgt), amax_g = _rows_both(g, E5M2, margin, hardware.fp8_kernels())
     da = _row_gemm(qg, sg, 2, qb, sb, 2, a_like.dtype)  # [B, M, K]: rows
-    qg, sg, _ = _rows_quantized(g, 1, E5M2, margin)
-    db = _row_gemm(qa, sa, 1, qg, sg, 1, b_like.dtype)  # [B, K, N]: columns
+    db = _row_gemm(qa, sa, 1, qgt, sgt, 1, b_like.dtype)  # [B, K, N]: columns
     return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 

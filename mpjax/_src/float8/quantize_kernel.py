@@ -386,3 +386,60 @@ def _nv_quantize_both(
         return lax.bitcast_convert_type(q, E2M1).reshape(*lead, 2 * half)
 
     return (unpacked(rows), row_scales), (unpacked(cols), col_scales)
+
+
+# -- per-row current scaling (Hopper's recipe): each row and each column its own scale ---------
+
+
+def _rows_kernel(
+    q_dtype: Any,
+    x_ref: Any,
+    row_scale_ref: Any,
+    col_scale_ref: Any,
+    rows_ref: Any,
+    cols_ref: Any,
+) -> None:
+    lim = float(jnp.finfo(q_dtype).max)
+    x = x_ref[0].astype(jnp.float32)  # [tile r, tile c]
+    rows_ref[0] = jnp.clip(x * row_scale_ref[0], -lim, lim).astype(q_dtype)
+    cols_ref[0] = jnp.clip(x * col_scale_ref[0], -lim, lim).T.astype(q_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("q_dtype", "interpret"))
+def rows_quantize_both(
+    x: jax.Array,
+    row_scale: jax.Array,
+    col_scale: jax.Array,
+    *,
+    q_dtype: Any,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """`x` [B, R, C] in `q_dtype` (E4M3, E5M2) twice, from one read: each row times its scale
+    ([B, R, 1]), as [B, R, C]; and each column times its own ([B, 1, C]), transposed, as
+    [B, C, R]. Saturating, as ``fp8_dot.quantize``; its numbers. The scales are the current
+    per-row recipe's, from XLA's reductions of x's rows and columns."""
+    from jax.experimental import pallas as pl
+
+    b, r, c = x.shape
+    tr, tc = _tile(r, NV_BLOCK), _tile(c, NV_BLOCK)
+    rows, cols = pl.pallas_call(
+        functools.partial(_rows_kernel, np.dtype(q_dtype)),
+        grid=(b, r // tr, c // tc),
+        in_specs=[
+            pl.BlockSpec((1, tr, tc), lambda n, i, j: (n, i, j)),
+            pl.BlockSpec((1, tr, 1), lambda n, i, j: (n, i, 0)),
+            pl.BlockSpec((1, 1, tc), lambda n, i, j: (n, 0, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, tr, tc), lambda n, i, j: (n, i, j)),
+            pl.BlockSpec((1, tc, tr), lambda n, i, j: (n, j, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, r, c), q_dtype),
+            jax.ShapeDtypeStruct((b, c, r), q_dtype),
+        ],
+        interpret=interpret,
+        compiler_params=None if interpret else _compiler_params(),
+        name="rows_quantize_both",
+    )(x, row_scale.astype(jnp.float32), col_scale.astype(jnp.float32))
+    return rows, cols
