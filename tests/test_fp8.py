@@ -626,7 +626,8 @@ def test_mxfp8_scales_each_block_of_32_by_a_power_of_two_rounded_up():
 def test_the_quantizing_kernels_run_where_the_traced_for_gpu_has_them():
     """What a program is traced for decides which quantizing kernels it gets: the H100
     (compute capability 9.0) writes float8 from its own kernels but scales no blocks, the
-    B200 (10.0) does both, this machine's CPU neither."""
+    B200 (10.0) does both, this machine's CPU neither; and they run only in a program for
+    one device (a compile-only target is one)."""
     from mpjax._src import hardware
     from mpjax._src.tools import gpu_program
 
@@ -634,6 +635,7 @@ def test_the_quantizing_kernels_run_where_the_traced_for_gpu_has_them():
         with hardware.tracing_for(gpu_program.target_config(target)):
             assert hardware.traced_capability() == capability
             assert hardware.fp8_kernels() and hardware.block_scaled_gemms() == blocks
+        assert hardware.one_device()  # a compile-only target is one GPU
     if jax.default_backend() == "cpu":
         assert hardware.traced_capability() is None and not hardware.fp8_kernels()
 

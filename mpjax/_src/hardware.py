@@ -137,3 +137,11 @@ def fp8_kernels() -> bool:
     (Triton's, compute capability 8.9 or more: Ada, Hopper, Blackwell)."""
     cc = traced_capability()
     return cc is not None and cc >= 8.9
+
+
+def one_device() -> bool:
+    """Whether the program being traced runs on one device: a compile-only target (one GPU),
+    or a machine with one device. FP8's quantizing Pallas kernels run only then: XLA's SPMD
+    partitioner does not split a Pallas call, so under sharding it would gather the call's
+    operands whole onto every device."""
+    return _TARGET.get() is not None or jax.device_count() == 1

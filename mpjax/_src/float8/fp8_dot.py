@@ -263,7 +263,8 @@ def _rows_both(x: Any, q_dtype: Any, margin: int, kernel: bool) -> Any:
     both per-row copies. On a GPU that writes float8 from its own kernels (`kernel`), one
     Pallas kernel writes both from one read (the copy along R transposed, [B, C, R], which
     the gemm reads as x's layout); elsewhere XLA's passes (the copy along R as [B, R, C])."""
-    if kernel and x.shape[1] % NV_BLOCK == 0 and x.shape[2] % NV_BLOCK == 0:
+    divides = x.shape[1] % NV_BLOCK == 0 and x.shape[2] % NV_BLOCK == 0
+    if kernel and divides and hardware.one_device():
         row_scale, col_scale, amax = _row_scales(x, q_dtype, margin)
         rows, cols = rows_quantize_both_kernel(x, row_scale, col_scale, q_dtype=q_dtype)
         return (rows, row_scale), (jnp.swapaxes(cols, 1, 2), col_scale), amax
@@ -372,8 +373,9 @@ Pair = tuple[Any, Any]  # (values, block scales)
 def mx_quantize_both(x: jax.Array, kernel: bool) -> tuple[Pair, Pair, jax.Array]:
     """`x` [B, R, C] quantized along C and along R: ((values [B, R, C], scales), (values
     [B, C, R], scales), amax). `kernel` (a GPU that scales blocks) reads x once in one Pallas
-    kernel (`quantize_kernel`); elsewhere the same numbers from `mx_quantize` twice."""
-    if kernel:
+    kernel (`quantize_kernel`) where the program runs on one device (see
+    hardware.one_device); elsewhere the same numbers from `mx_quantize` twice."""
+    if kernel and hardware.one_device():
         return mx_quantize_both_kernel(x)
     q, s, amax = mx_quantize(x, 2)
     qt, st, _ = mx_quantize(x, 1)
@@ -630,7 +632,7 @@ def nv_quantize_both(
     # E4M3 block scales keep their 3 bits over the 2 bits of range this gives up, and no pass
     # over the rotated tensor is spent on its exact amax
     scale_t = nv_tensor_scale(4 * amax) if rotate else scale
-    if kernel:
+    if kernel and hardware.one_device():
         negated = _negated(opts.seed) if rotate else None
         along_c, along_r = nv_quantize_both_kernel(
             x, amax, negated, square=square, seeds=seeds, interpret=interpret
