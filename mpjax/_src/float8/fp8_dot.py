@@ -17,13 +17,15 @@ from jax.typing import DTypeLike
 from mpjax._src import hardware
 from mpjax._src.float8.quantize_kernel import (
     e2m1_magnitude,
-    e8m0_exponent_bits,
     hadamard,
     hash_uniform,
+    mx_blocks,
+    nv_blocks,
+    nv_tensor_scale,
+    tiles_fit,
 )
 from mpjax._src.float8.quantize_kernel import mx_quantize_both as mx_quantize_both_kernel
 from mpjax._src.float8.quantize_kernel import nv_quantize_both as nv_quantize_both_kernel
-from mpjax._src.float8.quantize_kernel import nv_tensor_scale as _nv_tensor_scale
 from mpjax._src.float8.quantize_kernel import rows_quantize_both as rows_quantize_both_kernel
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -263,8 +265,7 @@ def _rows_both(x: Any, q_dtype: Any, margin: int, kernel: bool) -> Any:
     both per-row copies. On a GPU that writes float8 from its own kernels (`kernel`), one
     Pallas kernel writes both from one read (the copy along R transposed, [B, C, R], which
     the gemm reads as x's layout); elsewhere XLA's passes (the copy along R as [B, R, C])."""
-    divides = x.shape[1] % NV_BLOCK == 0 and x.shape[2] % NV_BLOCK == 0
-    if kernel and divides and hardware.one_device():
+    if kernel and tiles_fit(*x.shape[1:]) and hardware.one_device():
         row_scale, col_scale, amax = _row_scales(x, q_dtype, margin)
         rows, cols = rows_quantize_both_kernel(x, row_scale, col_scale, q_dtype=q_dtype)
         return (rows, row_scale), (jnp.swapaxes(cols, 1, 2), col_scale), amax
@@ -359,12 +360,9 @@ def mx_quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Arra
     """
     moved = jnp.moveaxis(x, axis, -1)
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK)
-    blocks = blocks.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    scale = lax.bitcast_convert_type(e8m0_exponent_bits(amax), jnp.float32)
-    lim = finite_max(E4M3)
-    q = jnp.clip(blocks / scale, -lim, lim).astype(E4M3).reshape(moved.shape)
-    return q, scale[..., 0], jnp.max(amax)
+    q, bits, amax = mx_blocks(blocks.astype(jnp.float32))
+    scale = lax.bitcast_convert_type(bits, jnp.float32)
+    return q.reshape(moved.shape), scale[..., 0], jnp.max(amax)
 
 
 Pair = tuple[Any, Any]  # (values, block scales)
@@ -483,14 +481,6 @@ def dot_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> 
 
 E2M1 = np.dtype(jnp.float4_e2m1fn)
 NV_BLOCK = 16
-_E2M1_MAX = 6.0
-
-
-def nv_tensor_scale(amax: jax.Array) -> jax.Array:
-    """NVFP4's float32 tensor scale: the tensor's amax / (6 x 448), so that every block's scale
-    (its amax / 6, in tensor-scale units) fits E4M3. 1 for a tensor of zeros or one holding an
-    inf or a NaN."""
-    return _nv_tensor_scale(jnp.asarray(amax, jnp.float32))
 
 
 def _uniform(x: jax.Array, seed: int) -> jax.Array:
@@ -534,11 +524,8 @@ def nv_quantize(
         amax = jnp.broadcast_to(amax, tiles.shape[:-1] + (1,)).reshape(*lead, k // NV_BLOCK, 1)
     else:
         amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
-    top = finite_max(E4M3)
-    block_scale = jnp.clip(amax / _E2M1_MAX, 0, top).astype(E4M3).astype(jnp.float32)
-    divisor = jnp.where(block_scale > 0, block_scale, 1.0)
-    y = jnp.clip(blocks / divisor, -_E2M1_MAX, _E2M1_MAX)
-    return _round_e2m1(y, seed).reshape(moved.shape), block_scale[..., 0]
+    y, block_scale = nv_blocks(blocks, amax)
+    return _round_e2m1(y, seed).reshape(moved.shape), block_scale.astype(jnp.float32)[..., 0]
 
 
 def hadamard_signs(seed: int) -> np.ndarray:

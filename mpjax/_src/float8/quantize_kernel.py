@@ -81,12 +81,20 @@ def e2m1_magnitude(a: jax.Array, noise: jax.Array | None) -> jax.Array:
     return jnp.minimum(jnp.where(up, below + 1, below) * step, 6.0)
 
 
-def _quantized(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """E4M3 values and the biased E8M0 exponents (uint8) of float32 `blocks` [..., n, 32]."""
+def mx_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MXFP8's rule for float32 `blocks` [..., n, 32]: (E4M3 values, each block's scale as
+    float32 bits [..., n, 1] (see e8m0_exponent_bits), each block's amax [..., n, 1]); the
+    values are the blocks over their scale, saturating. The kernel and XLA's program
+    (``fp8_dot.mx_quantize``) both quantize with it."""
     amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
     bits = e8m0_exponent_bits(amax)
     scale = lax.bitcast_convert_type(bits, jnp.float32)
-    q = jnp.clip(blocks / scale, -448.0, 448.0).astype(E4M3)
+    return jnp.clip(blocks / scale, -448.0, 448.0).astype(E4M3), bits, amax
+
+
+def _quantized(blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """E4M3 values and the biased E8M0 exponents (uint8) of float32 `blocks` [..., n, 32]."""
+    q, bits, _ = mx_blocks(blocks)
     return q, (bits >> 23).astype(jnp.uint8)[..., 0]
 
 
@@ -107,6 +115,22 @@ def _kernel(
     cols_ref[0] = q.reshape(c, r)
     col_scales_ref[0] = s
     amax_ref[0] = jnp.max(jnp.abs(x), axis=(0, 1), keepdims=True)
+
+
+def _spec(shape: tuple[int, int], transposed: bool = False) -> Any:
+    """A [1, *shape] block of a [B, R, C] array on the (batch, row tile, column tile) grid;
+    `transposed`: of a [B, C, R] array, at the transposed tile."""
+    from jax.experimental import pallas as pl
+
+    if transposed:
+        return pl.BlockSpec((1, *shape), lambda n, i, j: (n, j, i))
+    return pl.BlockSpec((1, *shape), lambda n, i, j: (n, i, j))
+
+
+def tiles_fit(*sizes: int) -> bool:
+    """Whether each of `sizes` (an operand's rows and columns) divides into the kernels'
+    smallest tile (16)."""
+    return all(n % _TILES[-1] == 0 for n in sizes)
 
 
 def _tile(n: int, smallest: int = BLOCK) -> int:
@@ -145,21 +169,16 @@ def mx_quantize_both(
     tr, tc = _tile(r), _tile(c)
     grid = (b, r // tr, c // tc)
 
-    def spec(shape: tuple[int, int], transposed: bool = False) -> Any:
-        if transposed:
-            return pl.BlockSpec((1, *shape), lambda n, i, j: (n, j, i))
-        return pl.BlockSpec((1, *shape), lambda n, i, j: (n, i, j))
-
     rows, row_scales, cols, col_scales, amaxes = pl.pallas_call(
         _kernel,
         grid=grid,
-        in_specs=[spec((tr, tc))],
+        in_specs=[_spec((tr, tc))],
         out_specs=[
-            spec((tr, tc)),
-            spec((tr, tc // BLOCK)),
-            spec((tc, tr), transposed=True),
-            spec((tc, tr // BLOCK), transposed=True),
-            spec((1, 1)),
+            _spec((tr, tc)),
+            _spec((tr, tc // BLOCK)),
+            _spec((tc, tr), transposed=True),
+            _spec((tc, tr // BLOCK), transposed=True),
+            _spec((1, 1)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, r, c), E4M3),
@@ -183,11 +202,23 @@ NV_BLOCK = 16
 
 
 def nv_tensor_scale(amax: jax.Array) -> jax.Array:
-    """NVFP4's float32 tensor scale of a tensor with `amax` (float32): amax / (6 x 448), so
-    that every block's scale (its amax / 6, in tensor-scale units) fits E4M3; 1 for a tensor
-    of zeros or one holding an inf or a NaN."""
+    """NVFP4's float32 tensor scale: the tensor's amax / (6 x 448), so that every block's scale
+    (its amax / 6, in tensor-scale units) fits E4M3. 1 for a tensor of zeros or one holding an
+    inf or a NaN."""
+    amax = jnp.asarray(amax, jnp.float32)
     usable = (amax > 0) & (amax < jnp.inf)
     return jnp.where(usable, amax / np.float32(6.0 * 448.0), np.float32(1.0))
+
+
+def nv_blocks(blocks: jax.Array, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """NVFP4's rule for `blocks` [..., n, 16] (in tensor-scale units) whose amaxes are `amax`
+    [..., n, 1]: (the values over their block's E4M3 scale, clipped to E2M1's range and not
+    yet rounded; the scales, amax / 6 in E4M3). The kernel and XLA's program
+    (``fp8_dot.nv_quantize``) both quantize with it."""
+    scale = jnp.clip(amax / 6.0, 0, 448.0).astype(E4M3)
+    divisor = scale.astype(jnp.float32)
+    divisor = jnp.where(divisor > 0, divisor, 1.0)
+    return jnp.clip(blocks / divisor, -6.0, 6.0), scale
 
 
 def _e2m1_codes(y: jax.Array, noise: jax.Array | None) -> jax.Array:
@@ -214,10 +245,8 @@ def _nv_blocks(
     stochastically with `seed`, `y` being a tile of a tensor whose rows are `width` long,
     its first element at flat position `first` (see _noise)."""
     r, c = y.shape
-    scale = jnp.clip(amax / 6.0, 0, 448.0).astype(E4M3)
-    divisor = scale.astype(jnp.float32)
-    divisor = jnp.where(divisor > 0, divisor, 1.0)
-    v = jnp.clip(y.reshape(r, c // NV_BLOCK, NV_BLOCK) / divisor, -6.0, 6.0).reshape(r, c)
+    v, scale = nv_blocks(y.reshape(r, c // NV_BLOCK, NV_BLOCK), amax)
+    v = v.reshape(r, c)
     codes = _e2m1_codes(v, _noise(v, seed, first, width))
     return _packed(codes), scale.reshape(r, c // NV_BLOCK)
 
@@ -290,7 +319,7 @@ def _nv_kernel(
 ) -> None:
     from jax.experimental import pallas as pl
 
-    square, _, seeds, (_, rr, cc) = cfg
+    _, rr, cc = cfg.shape
     n, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     x = x_ref[0].astype(jnp.float32)  # [tile r, tile c]
     r, c = x.shape
@@ -299,18 +328,16 @@ def _nv_kernel(
     # a rotation's from 4 x the amax (see fp8_dot.nv_quantize_both)
     scale_t = nv_tensor_scale(4 * amax) if cfg.hadamard is not None else scale
     y = x / scale
-    amax = _tile_amax(y) if square else _block_amax(y)
+    amax = _tile_amax(y) if cfg.square else _block_amax(y)
     first = n * rr * cc + i * r * cc + j * c
-    q, s = _nv_blocks(y, amax, seeds[0], first, cc)
+    q, s = _nv_blocks(y, amax, cfg.seeds[0], first, cc)
     rows_ref[0] = q
     row_scales_ref[0] = s
     yt = (_rotated(x, hadamard(cfg.hadamard)) if cfg.hadamard is not None else x).T / scale_t
-    if square:  # the same numbers, transposed: the tiles' amaxes are the transposed tiles'
-        amax = _tile_amax(yt)
-    else:
-        amax = _block_amax(yt)
+    # square: the same numbers, transposed (the tiles' amaxes are the transposed tiles')
+    amax = _tile_amax(yt) if cfg.square else _block_amax(yt)
     first = n * rr * cc + j * c * rr + i * r
-    q, s = _nv_blocks(yt, amax, seeds[1], first, rr)
+    q, s = _nv_blocks(yt, amax, cfg.seeds[1], first, rr)
     cols_ref[0] = q
     col_scales_ref[0] = s
 
@@ -350,25 +377,20 @@ def _nv_quantize_both(
     b, r, c = x.shape
     tr, tc = _tile(r, NV_BLOCK), _tile(c, NV_BLOCK)
 
-    def spec(shape: tuple[int, int], transposed: bool = False) -> Any:
-        if transposed:
-            return pl.BlockSpec((1, *shape), lambda n, i, j: (n, j, i))
-        return pl.BlockSpec((1, *shape), lambda n, i, j: (n, i, j))
-
     cfg = _NVKernel(square, negated, seeds, (b, r, c))
     kernel = functools.partial(_nv_kernel, cfg)
     rows, row_scales, cols, col_scales = pl.pallas_call(
         kernel,
         grid=(b, r // tr, c // tc),
         in_specs=[
-            spec((tr, tc)),
+            _spec((tr, tc)),
             pl.BlockSpec((1,), lambda n, i, j: (0,)),
         ],
         out_specs=[
-            spec((tr, tc // 2)),
-            spec((tr, tc // NV_BLOCK)),
-            spec((tc, tr // 2), transposed=True),
-            spec((tc, tr // NV_BLOCK), transposed=True),
+            _spec((tr, tc // 2)),
+            _spec((tr, tc // NV_BLOCK)),
+            _spec((tc, tr // 2), transposed=True),
+            _spec((tc, tr // NV_BLOCK), transposed=True),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, r, c // 2), jnp.uint8),
@@ -426,14 +448,11 @@ def rows_quantize_both(
         functools.partial(_rows_kernel, np.dtype(q_dtype)),
         grid=(b, r // tr, c // tc),
         in_specs=[
-            pl.BlockSpec((1, tr, tc), lambda n, i, j: (n, i, j)),
+            _spec((tr, tc)),
             pl.BlockSpec((1, tr, 1), lambda n, i, j: (n, i, 0)),
             pl.BlockSpec((1, 1, tc), lambda n, i, j: (n, 0, j)),
         ],
-        out_specs=[
-            pl.BlockSpec((1, tr, tc), lambda n, i, j: (n, i, j)),
-            pl.BlockSpec((1, tc, tr), lambda n, i, j: (n, j, i)),
-        ],
+        out_specs=[_spec((tr, tc)), _spec((tc, tr), transposed=True)],
         out_shape=[
             jax.ShapeDtypeStruct((b, r, c), q_dtype),
             jax.ShapeDtypeStruct((b, c, r), q_dtype),
