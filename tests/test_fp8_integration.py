@@ -565,3 +565,36 @@ def test_a_wrapped_fp8_model_outside_mpjax_fp8_says_its_dots_are_not_fp8(rng):
     model = mpjax.flax.wrap(NNXMLP(nnx.Rngs(0)), pol)
     with pytest.warns(UserWarning, match="NNXMLP was wrapped with an FP8 policy"):
         model(x)
+
+
+@pytest.mark.parametrize("form", ["linen", "nnx"])
+def test_block_recipes_quantize_the_float32_master_weight_under_wrap(form):
+    """Under ``wrap`` at O2 the policy casts each float32 param to bfloat16 before its dot; a
+    block recipe's site quantizes the float32 weight itself (TransformerEngine's rule: no
+    half copy first, one pass and one rounding fewer), so its kernel amax is the float32
+    weight's, and the weight gradient still comes back in float32."""
+    import flax.linen as nn
+
+    pol = mpjax.fp8.policy("O2", recipe=mpjax.fp8.MXFP8BlockScaling())
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    if form == "linen":
+        model = mpjax.flax.wrap(nn.Dense(32, use_bias=False), pol)
+        params = model.init(jax.random.key(0), x)["params"]
+        loss = lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)
+        kernel = params["kernel"]
+    else:
+        wrapped = mpjax.flax.wrap(nnx.Linear(64, 32, use_bias=False, rngs=nnx.Rngs(0)), pol)
+        graphdef, params, rest = nnx.split(wrapped, nnx.Param, ...)
+        loss = lambda p, x: jnp.mean(nnx.merge(graphdef, p, rest)(x) ** 2)
+        kernel = params["inner"]["kernel"][...]
+    assert kernel.dtype == jnp.float32
+    wide, narrow = float(jnp.abs(kernel).max()), float(jnp.abs(kernel.astype(jnp.bfloat16)).max())
+    assert wide != narrow  # the two copies tell apart
+    state = mpjax.fp8.init(loss, pol, params, x)
+    assert state.num_sites == 1
+    _, grads, state = jax.jit(mpjax.fp8.scaled_value_and_grad(loss, pol))(state, params, x)
+    assert mpjax.fp8.describe(state)[0]["kernel_amax"] == wide
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+    exact = jax.grad(loss)(params, x)
+    for g, e in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(exact)):
+        assert float(jnp.linalg.norm(g - e) / jnp.linalg.norm(e)) < 0.06

@@ -345,6 +345,9 @@ class _Sites:
         self.batched_dots = pol.batched_dots
         # (trace, scale, sink) of the top level and of each scan or remat body being traced
         self.frames: list[tuple[Any, Any, Any]] = [(_trace_state(), scale, sink)]
+        # A block recipe's sites quantize a float32 value, not the half copy a convert made
+        # of it (see _held): id(half copy) -> (half copy, the float32 value).
+        self.narrowed: dict[int, tuple[Any, Any]] = {}
 
     def __call__(self, eqn: Any, invals: list[Any], mode: Any, keep_constants: bool) -> Any:
         if eqn.primitive.name not in mode.lower_ops:
@@ -366,7 +369,9 @@ class _Sites:
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
-        lhs, rhs = (values.cast(x, dt, keep_constant=keep_constants) for x in invals)
+        if scale is not None and self.pads_rows and hardware.one_device():
+            invals = [self._held(x) for x in invals]
+        lhs, rhs = (self._operand(x, dt, keep_constants) for x in invals)
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
         if self.mx:
@@ -380,6 +385,27 @@ class _Sites:
             dot = fp8_dot_rows if self.current.granularity == "row" else fp8_dot_current
             return dot(dims, dt, self.current.margin, lhs, rhs, sink[i])
         return fp8_dot_general(dims, eqn.params.get("precision"), dt, lhs, rhs, scale[i], sink[i])
+
+    def _held(self, x: Any) -> Any:
+        """The wider float value that `x` was narrowed from in this frame (a float32 master
+        weight, where `x` is its half copy), else `x` itself. Only in a one-device program
+        (hardware.one_device): under SPMD the half copy is what a partitioner gathers (half
+        the bytes of float32), so the site quantizes that."""
+        found = self.narrowed.get(id(x))
+        return x if found is None or found[0] is not x else found[1]
+
+    def _operand(self, x: Any, dt: np.dtype, keep_constants: bool) -> Any:
+        """A site's operand: a float wider than the compute dtype `dt` as it is, for a block
+        recipe (see _held), which quantizes it from that value as TransformerEngine quantizes
+        a master weight: not from a half copy, one pass over the weight more and a second
+        rounding; anything else cast to `dt`."""
+        wide = (
+            self.pads_rows
+            and isinstance(x, jax.Array)
+            and jnp.issubdtype(x.dtype, jnp.floating)
+            and np.dtype(x.dtype).itemsize > dt.itemsize
+        )
+        return x if wide else values.cast(x, dt, keep_constant=keep_constants)
 
     def _nv_runs(self, sizes: tuple[int, ...]) -> bool:
         assert self.nv is not None
@@ -400,6 +426,21 @@ class _Sites:
                 if out is not None:
                     return [out], [Hold.NONE]
             return rules.inherited(step.eqn)(step, invals)
+
+        @rules.register("convert_element_type")
+        def convert(step: Step, invals: list[Any]) -> Results:
+            outs, holds = rules.inherited(step.eqn)(step, invals)
+            x, y = invals[0], outs[0]
+            if (
+                self.pads_rows
+                and isinstance(x, jax.Array)
+                and isinstance(y, jax.Array)
+                and jnp.issubdtype(x.dtype, jnp.floating)
+                and jnp.issubdtype(y.dtype, jnp.floating)
+                and np.dtype(y.dtype).itemsize < np.dtype(x.dtype).itemsize
+            ):
+                self.narrowed[id(y)] = (y, x)
+            return outs, holds
 
         @rules.register(*interpret.SCAN.names, *interpret.COND.names, *interpret.REMAT.names)
         def body(step: Step, invals: list[Any]) -> Results:

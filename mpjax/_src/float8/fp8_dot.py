@@ -358,11 +358,14 @@ def mx_quantize(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Arra
       >>> s.tolist(), float(amax)   # 310 / 448 rounds up to 1, 630 / 448 to 2
       ([[1.0, 2.0]], 630.0)
     """
-    moved = jnp.moveaxis(x, axis, -1)
-    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // MX_BLOCK, MX_BLOCK)
-    q, bits, amax = mx_blocks(blocks.astype(jnp.float32))
-    scale = lax.bitcast_convert_type(bits, jnp.float32)
-    return q.reshape(moved.shape), scale[..., 0], jnp.max(amax)
+    # Blocks along `axis` where they lie, and the quantized values moved: the one transposed
+    # copy is then of one byte an element, not of x (float32 for a master weight).
+    axis %= x.ndim
+    n = x.shape[axis]
+    blocks = x.reshape(*x.shape[:axis], n // MX_BLOCK, MX_BLOCK, *x.shape[axis + 1 :])
+    q, bits, amax = mx_blocks(blocks.astype(jnp.float32), axis=axis + 1)
+    scale = lax.bitcast_convert_type(jnp.squeeze(bits, axis + 1), jnp.float32)
+    return jnp.moveaxis(q.reshape(x.shape), axis, -1), jnp.moveaxis(scale, axis, -1), jnp.max(amax)
 
 
 Pair = tuple[Any, Any]  # (values, block scales)
@@ -431,12 +434,21 @@ def _mx_fwd(pref: Any, cudnn: bool, a: Any, b: Any, sink: Any) -> Any:
 def _mx_bwd(pref: Any, cudnn: bool, res: Any, g: Any) -> Any:
     (qa, sa), (qb, sb), amax_a, amax_b, (a_dtype, b_dtype) = res  # a along M, b along N
     (qg, sg), (qgt, sgt), amax_g = mx_quantize_both(g, cudnn)  # [B, M, N] and [B, N, M]
-    da = _mx_gemm(qg, sg, qb, sb, a_dtype.dtype, cudnn)  # [B, M, K]
-    db = _mx_gemm(qa, sa, qgt, sgt, b_dtype.dtype, cudnn)  # [B, K, N]
+    # each gradient written in the compute dtype, then in its operand's (see _cotangent)
+    da = _cotangent(_mx_gemm(qg, sg, qb, sb, pref, cudnn), a_dtype)  # [B, M, K]
+    db = _cotangent(_mx_gemm(qa, sa, qgt, sgt, pref, cudnn), b_dtype)  # [B, K, N]
     return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 
 _mx_bmm.defvjp(_mx_fwd, _mx_bwd)
+
+
+def _cotangent(g: Any, like: Any) -> Any:
+    """A block recipe's operand gradient `g`, written in the compute dtype, in the dtype of
+    its operand (`like`'s): a float32 master weight's gradient is the half one cast up, as
+    when the site's cast to half sat outside the custom derivative (XLA fuses the convert
+    into the gradient's consumer)."""
+    return g.astype(like.dtype)
 
 
 def blocks_divide(block: int, m: int, k: int, n: int) -> bool:
@@ -670,8 +682,8 @@ def _nv_bwd(pref: Any, cudnn: bool, opts: NVOptions, res: Any, g: Any) -> Any:
     seeds = (opts.seed * 2, opts.seed * 2 + 1) if opts.stochastic else (None, None)
     amax_g = _amax(g)
     g_n, g_m = nv_quantize_both(g, amax_g, cudnn, opts, weight=False, seeds=seeds)
-    da = _nv_gemm(g_n, b_n, a_dtype.dtype, cudnn)  # [B, M, K]
-    db = _nv_gemm(a_m, g_m, b_dtype.dtype, cudnn)  # [B, K, N], both rotated along M
+    da = _cotangent(_nv_gemm(g_n, b_n, pref, cudnn), a_dtype)  # [B, M, K]
+    db = _cotangent(_nv_gemm(a_m, g_m, pref, cudnn), b_dtype)  # [B, K, N], rotated along M
     return da, db, jnp.stack([amax_a, amax_b, amax_g])
 
 

@@ -81,12 +81,12 @@ def e2m1_magnitude(a: jax.Array, noise: jax.Array | None) -> jax.Array:
     return jnp.minimum(jnp.where(up, below + 1, below) * step, 6.0)
 
 
-def mx_blocks(blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """MXFP8's rule for float32 `blocks` [..., n, 32]: (E4M3 values, each block's scale as
-    float32 bits [..., n, 1] (see e8m0_exponent_bits), each block's amax [..., n, 1]); the
-    values are the blocks over their scale, saturating. The kernel and XLA's program
-    (``fp8_dot.mx_quantize``) both quantize with it."""
-    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+def mx_blocks(blocks: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MXFP8's rule for float32 `blocks` [..., n, 32] (the 32 along `axis`): (E4M3 values,
+    each block's scale as float32 bits [..., n, 1] (see e8m0_exponent_bits), each block's
+    amax [..., n, 1]); the values are the blocks over their scale, saturating. The kernel and
+    XLA's program (``fp8_dot.mx_quantize``) both quantize with it."""
+    amax = jnp.max(jnp.abs(blocks), axis=axis, keepdims=True)
     bits = e8m0_exponent_bits(amax)
     scale = lax.bitcast_convert_type(bits, jnp.float32)
     return jnp.clip(blocks / scale, -448.0, 448.0).astype(E4M3), bits, amax
