@@ -315,6 +315,15 @@ def _spread_bwd(length: int, res: None, g: jax.Array) -> tuple[jax.Array]:
 _spread.defvjp(_spread_fwd, _spread_bwd)
 
 
+def _wider_float(x: Any, dtype: Any) -> bool:
+    """Whether `x` is a float array of more bytes an element than `dtype`."""
+    return (
+        isinstance(x, jax.Array)
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and np.dtype(x.dtype).itemsize > np.dtype(dtype).itemsize
+    )
+
+
 class _Sites:
     """The FP8 sites of a function under autocast: its eligible dots, numbered in evaluation
     order and run in FP8 (see :meth:`rules`).
@@ -369,9 +378,17 @@ class _Sites:
         i = self.count
         self.count += 1
         dt = np.dtype(mode.compute_dtype)
-        if scale is not None and self.pads_rows and hardware.one_device():
+        # A block recipe quantizes a float32 operand from itself, as TransformerEngine
+        # quantizes a master weight: not from the half copy the policy made of it, which is
+        # one pass over the weight more and a second rounding. Only in a one-device program
+        # (hardware.one_device): under SPMD the half copy is what the partitioner gathers.
+        held = scale is not None and self.pads_rows and hardware.one_device()
+        if held:
             invals = [self._held(x) for x in invals]
-        lhs, rhs = (self._operand(x, dt, keep_constants) for x in invals)
+        lhs, rhs = (
+            x if held and _wider_float(x, dt) else values.cast(x, dt, keep_constant=keep_constants)
+            for x in invals
+        )
         if scale is None:  # counting sites (init)
             return lax.dot_general(lhs, rhs, dims, preferred_element_type=dt)
         if self.mx:
@@ -388,24 +405,9 @@ class _Sites:
 
     def _held(self, x: Any) -> Any:
         """The wider float value that `x` was narrowed from in this frame (a float32 master
-        weight, where `x` is its half copy), else `x` itself. Only in a one-device program
-        (hardware.one_device): under SPMD the half copy is what a partitioner gathers (half
-        the bytes of float32), so the site quantizes that."""
+        weight, where `x` is its half copy), else `x` itself."""
         found = self.narrowed.get(id(x))
         return x if found is None or found[0] is not x else found[1]
-
-    def _operand(self, x: Any, dt: np.dtype, keep_constants: bool) -> Any:
-        """A site's operand: a float wider than the compute dtype `dt` as it is, for a block
-        recipe (see _held), which quantizes it from that value as TransformerEngine quantizes
-        a master weight: not from a half copy, one pass over the weight more and a second
-        rounding; anything else cast to `dt`."""
-        wide = (
-            self.pads_rows
-            and isinstance(x, jax.Array)
-            and jnp.issubdtype(x.dtype, jnp.floating)
-            and np.dtype(x.dtype).itemsize > dt.itemsize
-        )
-        return x if wide else values.cast(x, dt, keep_constant=keep_constants)
 
     def _nv_runs(self, sizes: tuple[int, ...]) -> bool:
         assert self.nv is not None
@@ -431,14 +433,8 @@ class _Sites:
         def convert(step: Step, invals: list[Any]) -> Results:
             outs, holds = rules.inherited(step.eqn)(step, invals)
             x, y = invals[0], outs[0]
-            if (
-                self.pads_rows
-                and isinstance(x, jax.Array)
-                and isinstance(y, jax.Array)
-                and jnp.issubdtype(x.dtype, jnp.floating)
-                and jnp.issubdtype(y.dtype, jnp.floating)
-                and np.dtype(y.dtype).itemsize < np.dtype(x.dtype).itemsize
-            ):
+            narrowing = isinstance(y, jax.Array) and jnp.issubdtype(y.dtype, jnp.floating)
+            if self.pads_rows and narrowing and _wider_float(x, y.dtype):
                 self.narrowed[id(y)] = (y, x)
             return outs, holds
 

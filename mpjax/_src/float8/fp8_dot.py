@@ -16,6 +16,8 @@ from jax.typing import DTypeLike
 
 from mpjax._src import hardware
 from mpjax._src.float8.quantize_kernel import (
+    E2M1,
+    NV_BLOCK,
     e2m1_magnitude,
     hadamard,
     hash_uniform,
@@ -490,9 +492,6 @@ def dot_sizes(lhs_shape: Sequence[int], rhs_shape: Sequence[int], dims: Any) -> 
 
 
 # -- NVFP4: E2M1 values in blocks of 16, E4M3 block scales under a float32 tensor scale -------
-
-E2M1 = np.dtype(jnp.float4_e2m1fn)
-NV_BLOCK = 16
 
 
 def _uniform(x: jax.Array, seed: int) -> jax.Array:
