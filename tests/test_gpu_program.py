@@ -538,11 +538,11 @@ def test_a_batchnorm_cnn_no_benchmark_tunes_for_in_each_gpus_program(target):
     the ReLU's select (128 MiB more for a 256-channel layer). The sums are sum(g),
     sum(g * mul) and sum(g * (x - mean)). Both steps compute all three. The hand step pairs
     the first two, so the select joins the third sum's kernel. O2 pairs the last two, so the
-    select is written out alone. Removing each of these in turn does not change O2's
-    program: the ReLU's custom_jvp boundary (an explicit cast before the ReLU), the island's
-    remat, and the norm region. A pure-JAX copy of the island's ops and dtypes compiles to
-    the hand step's kernels. So no op mpjax adds accounts for the gap. The bound here is
-    1.03x, so that it does not grow."""
+    select is written out alone. Removing any one of these leaves the gap in place: the
+    ReLU's custom_jvp boundary (an explicit cast before the ReLU), the island's remat, or
+    the norm region. A pure-JAX copy of the island's ops and dtypes, remat included,
+    compiles to the hand step's kernels. So no op mpjax adds accounts for the gap. The bound
+    here is 1.03x, so that it does not grow."""
     hand, o2 = _hand_written_and_o2("cnn", "small", target)
     assert o2["gemm_dtypes"] == hand["gemm_dtypes"]
     assert o2["by_kind"]["conv"] == hand["by_kind"]["conv"]
