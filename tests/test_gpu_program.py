@@ -274,8 +274,16 @@ def test_gpu_program_of_an_o2_step_against_the_hand_written_one(model, half, tar
     # 8 bytes per table element as counted (float32 zeros, the scatter's operand and result,
     # the update's float32 read), 3.9% of the tiny Transformer's bytes, 0.1% at small size.
     tables = memory.lookup_elements(module, x)
-    allowed = 1.001 * hand["bytes_moved"] + 8 * tables
+    # The tiny ResNet in bfloat16: 1.5% more (414 against 408 KB; it was 0.99x) since an
+    # island's reductions are fed last (islands._reductions_fed_last). That order gives the
+    # hand-written step's kernels on the BatchNorm CNN (it was 1.025x its time on the B200)
+    # and 0.7% fewer bytes on this ResNet at the benchmark's small size; the time check
+    # below holds here (0.97x).
+    slack = 1.02 if (model, half) == ("resnet", "bfloat16") else 1.001
+    allowed = slack * hand["bytes_moved"] + 8 * tables
     assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand, tables)
+    fastest = min(rows[n]["modeled_seconds"] for n in names[:2])
+    assert o2["modeled_seconds"] <= 1.01 * fastest, (o2["modeled_seconds"], fastest)
     assert o2["kernels"] <= 1.02 * hand["kernels"], (o2["kernels"], hand["kernels"])
     short = {"bfloat16": "bf16", "float16": "f16"}[half]
     if model == "transformer":
@@ -532,24 +540,23 @@ def test_a_batchnorm_cnn_no_benchmark_tunes_for_in_each_gpus_program(target):
     """The GPU-cost issue's CNN (three stages of 64, 128 and 256 channels, each two bias-free
     3x3 convolutions with BatchNorm in training mode and ReLU; 64 images of 64x64, Adam) in
     the H100 and B200 programs: O2 bfloat16 runs the hand-written ``dtype=`` step's
-    convolutions in bfloat16 within 1.05x its temp memory (1.00x on both), and on the H100
-    at or below 1.01x its modeled time (0.98x). On the B200 it takes 1.025x: sm_100's fusion
-    pass groups the three per-channel sums of a BatchNorm's backward pass differently around
-    the ReLU's select (128 MiB more for a 256-channel layer). The sums are sum(g),
-    sum(g * mul) and sum(g * (x - mean)). Both steps compute all three. The hand step pairs
-    the first two, so the select joins the third sum's kernel. O2 pairs the last two, so the
-    select is written out alone. Removing any one of these leaves the gap in place: the
-    ReLU's custom_jvp boundary (an explicit cast before the ReLU), the island's remat, or
-    the norm region. A pure-JAX copy of the island's ops and dtypes, remat included,
-    compiles to the hand step's kernels. So no op mpjax adds accounts for the gap. The bound
-    here is 1.03x, so that it does not grow."""
+    convolutions in bfloat16, within 1.05x its temp memory, at or below 1.01x its modeled
+    time and moving no more bytes. Measured: the hand-written step's program, kernel for
+    kernel (1.000x time and bytes on both).
+
+    On the B200 it took 1.025x (1.048x the bytes) while each island ran its ops in the
+    traced order: XLA paired the three per-channel sums of a BatchNorm's backward pass,
+    sum(g), sum(g * mul) and sum(g * (x - mean)), by the order it met them, and with Flax's
+    square before its sum the ReLU's select before them was written out alone, one
+    activation more per layer. The island now feeds its reductions last
+    (islands._reductions_fed_last)."""
     hand, o2 = _hand_written_and_o2("cnn", "small", target)
     assert o2["gemm_dtypes"] == hand["gemm_dtypes"]
     assert o2["by_kind"]["conv"] == hand["by_kind"]["conv"]
     assert o2["temp_bytes"] <= 1.05 * hand["temp_bytes"], (o2["temp_bytes"], hand["temp_bytes"])
-    limit = {"h100": 1.01, "b200": 1.03}[target]
+    assert o2["bytes_moved"] <= hand["bytes_moved"], (o2["bytes_moved"], hand["bytes_moved"])
     ratio = o2["modeled_seconds"] / hand["modeled_seconds"]
-    assert ratio <= limit, ratio
+    assert ratio <= 1.01, ratio
 
 
 # -- fused attention: cuDNN's flash attention under every policy ------------------------------
