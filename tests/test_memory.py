@@ -475,6 +475,30 @@ def test_a_batchnorm_island_squares_its_input_next_to_the_sum_of_squares():
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_an_island_order_moves_reductions_producers_and_stays_valid():
+    """The island's order moves each op whose one use is a reduction next to it, chains of
+    them too (a square summed, then summed again), and every value is still made before it
+    is read."""
+
+    def f(x):
+        sq = x * x  # one use: the sum below
+        b = jnp.sin(x)
+        s1 = jnp.sum(sq, axis=0)  # one use: the next sum
+        c = jnp.cos(b)
+        return c, jnp.sum(s1)
+
+    closed = jax.make_jaxpr(f)(jnp.ones((4, 3)))
+    run = list(closed.jaxpr.eqns)
+    order = islands_lib._reductions_fed_last(run, list(closed.jaxpr.outvars))
+    assert sorted(map(id, order)) == sorted(map(id, run))
+    names = [e.primitive.name for e in order]
+    assert names == ["sin", "cos", "mul", "reduce_sum", "reduce_sum"], names
+    made = set(closed.jaxpr.invars)
+    for e in order:
+        assert all(isinstance(v, jax_compat.Literal) or v in made for v in e.invars)
+        made.update(e.outvars)
+
+
 @pytest.mark.parametrize("half", [jnp.bfloat16, jnp.float16])
 def test_a_sigmoid_loss_island_runs_through_softplus(half):
     """optax's sigmoid cross-entropy and ``jax.nn.softplus`` are ``jnp.logaddexp``, a

@@ -479,11 +479,19 @@ def _reductions_fed_last(run: list[jc.JaxprEqn], outs: list[jc.Var]) -> list[jc.
             if run[k].primitive.name in _STATISTIC_OPS and k > chain[-1] + 1:
                 before.update(dict.fromkeys(chain, k))
             break
+    movers: dict[int, list[int]] = {}
+    for i in sorted(before):
+        movers.setdefault(before[i], []).append(i)
     order: list[jc.JaxprEqn] = []
-    for k, e in enumerate(run):
+
+    def emit(k: int) -> None:  # `k`, after what moves before it (which may have its own)
+        for i in movers.get(k, []):
+            emit(i)
+        order.append(run[k])
+
+    for k in range(len(run)):
         if k not in before:
-            order += [run[i] for i in sorted(before) if before[i] == k]
-            order.append(e)
+            emit(k)
     return order
 
 
