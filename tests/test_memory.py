@@ -436,41 +436,46 @@ def test_a_norm_island_keeps_its_statistics_instead_of_reducing_again_backward()
     assert sum(kept.values()) <= sum(hand.values()), (kept, hand)
 
 
-def test_a_batchnorm_island_squares_its_input_next_to_the_sum_of_squares():
+def test_a_batchnorm_island_squares_its_input_next_to_the_sum_of_squares(monkeypatch):
     """Flax's BatchNorm squares its input before it sums it. The island feeds each reduction
     last: the square comes just before its sum, after the plain sum. XLA's GPU fusion pairs
     the backward pass's per-channel sums by that order; in Flax's, the B200 program wrote
     each ReLU's select out (1.025x the hand-written step's time on a BatchNorm CNN,
     tests/test_gpu_program.py). The values are the traced order's."""
 
-    class BN(nn.Module):  # a convolution's half output makes the BatchNorm an island
-        @nn.compact
-        def __call__(self, x):
-            x = nn.Conv(8, (3, 3), use_bias=False)(x)
-            return nn.relu(nn.BatchNorm(use_running_average=False)(x))
+    def model():  # a class of its own per trace: autocast reuses a model's trace
+        class BN(nn.Module):  # a convolution's half output makes the BatchNorm an island
+            @nn.compact
+            def __call__(self, x):
+                x = nn.Conv(8, (3, 3), use_bias=False)(x)
+                return nn.relu(nn.BatchNorm(use_running_average=False)(x))
+
+        return BN()
 
     x = jax.random.normal(jax.random.key(0), (4, 6, 6, 8))
-    variables = BN().init(jax.random.key(1), x)
-    o2 = mpjax.flax.wrap(BN(), mpjax.Policy.from_level("O2", "bfloat16"))
+    variables = model().init(jax.random.key(1), x)
 
-    def loss(p):
-        y, _ = o2.apply({**variables, "params": p}, x, mutable=["batch_stats"])
-        return jnp.sum(y.astype(jnp.float32) ** 2)
+    def traced(module):
+        """(the island's primitives in order, the loss's value and gradients)"""
+        o2 = mpjax.flax.wrap(module, mpjax.Policy.from_level("O2", "bfloat16"))
 
-    closed = jax.make_jaxpr(loss)(variables["params"])
-    (island,) = [e.params["jaxpr"] for e in eqns(closed.jaxpr) if e.primitive.name == "remat2"]
-    names = [e.primitive.name for e in island.eqns]
+        def loss(p):
+            y, _ = o2.apply({**variables, "params": p}, x, mutable=["batch_stats"])
+            return jnp.sum(y.astype(jnp.float32) ** 2)
+
+        closed = jax.make_jaxpr(loss)(variables["params"])
+        (island,) = [e.params["jaxpr"] for e in eqns(closed.jaxpr) if e.primitive.name == "remat2"]
+        names = [e.primitive.name for e in island.eqns]
+        return names, jax.value_and_grad(loss)(variables["params"])
+
+    names, after = traced(model())
     square = names.index("square")
     assert names[square + 1 : square + 2] == ["reduce_sum"], names
     assert names.index("reduce_sum") < square, names  # the plain sum comes first
 
-    from mpjax._src.interpreter import islands
-
-    traced_order = lambda run, outs: run  # noqa: E731
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(islands, "_reductions_fed_last", traced_order)
-        before = jax.value_and_grad(loss)(variables["params"])
-    after = jax.value_and_grad(loss)(variables["params"])
+    monkeypatch.setattr(islands_lib, "_reductions_fed_last", lambda run, outs: run)
+    names, before = traced(model())
+    assert names.index("square") < names.index("reduce_sum"), names  # Flax's order
     for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
 

@@ -450,8 +450,8 @@ def _regions(
 
 
 def _reductions_fed_last(run: list[jc.JaxprEqn], outs: list[jc.Var]) -> list[jc.JaxprEqn]:
-    """`run` with each op whose one use (through ISLAND names) is a reduction moved to just
-    before that reduction: the same ops on the same values, in another valid order.
+    """`run` with each op whose one use (through ISLAND names) is a sum (a STATISTIC op)
+    moved to just before that sum: the same ops on the same values, in another valid order.
 
     XLA's GPU fusion pairs a norm's backward reductions by the order it meets them. Flax's
     BatchNorm squares its input before it sums it. In that order, sm_100 pairs the backward
