@@ -332,6 +332,10 @@ class Kernel:
       flops: a gemm's FLOPs (2 * result elements * contracted size), a cuDNN
         convolution's (2 * output elements * window * input features / groups), a fused
         attention's (its matmuls', from its shapes), else 0.
+      on_chip: on a TPU, the bytes of its operands and results that a core keeps in its own
+        memory (VMEM), which `bytes` leaves out; 0 on a GPU.
+      dma: whether it is a TPU's DMA between HBM and a core's memory (its `bytes` are what
+        it brings), which a program keeping nothing on chip would not run.
     """
 
     name: str
@@ -341,6 +345,8 @@ class Kernel:
     loop: str = ""
     op_name: str = ""
     flops: float = 0.0
+    on_chip: int = 0
+    dma: bool = False
 
 
 def read_kernels(text: str) -> list[Kernel]:
@@ -370,22 +376,25 @@ def read_kernels(text: str) -> list[Kernel]:
             library = ins.opcode == "custom-call"
             if library and re.search(r'custom_call_target="\w*Bitcast"', ins.attrs):
                 continue  # a TPU's concatenation in place: no data moves
+            on_chip = 0
             if ins.opcode in _DMA:
                 moved = _bytes(ins.shape, on_chip=True)
             else:
-                # a collective's bytes cross the interconnect from either memory
-                both = (False, True) if kind == "collective" else (False,)
-                moved = sum(
+                hbm, on_chip = (
                     _bytes(ins.shape, library, chip)
                     + sum(_bytes(comp.shapes.get(o, ""), on_chip=chip) for o in ins.operands)
-                    for chip in both
+                    for chip in (False, True)
                 )
+                moved = hbm
+                if kind == "collective":  # its bytes cross the interconnect from either memory
+                    moved, on_chip = hbm + on_chip, 0
                 if ins.opcode == "fusion":
                     moved -= _in_place_saving(ins, comps)
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
             name = op.group(1) if op else ""
             flops = _flops(kind, ins, comp, comps)
-            found.append(Kernel(ins.name, kind, moved, types, via, name, flops))
+            dma = ins.opcode in _DMA
+            found.append(Kernel(ins.name, kind, moved, types, via, name, flops, on_chip, dma))
 
     walk(entry, "", 0)
     return found

@@ -166,11 +166,33 @@ class TpuProgram(GpuProgram):
 
     chips: int = 1
 
+    @property
+    def bytes_any_memory(self) -> int:
+        """The bytes the program's fusions read and write in either memory, HBM or a core's
+        own (VMEM), its DMAs left out: what it would move with every array in HBM. libtpu
+        chooses which arrays stay on chip for the whole program, so two variants of one
+        step can differ in :attr:`bytes_moved` by that choice alone; in this they differ
+        by the work their fusions do.
+
+        Example (on a machine with libtpu)::
+
+          a = jnp.ones((512, 512))
+          program = mpjax.audit(lambda a, b: a @ b, a, a, target="tpu-v5e").tpu
+          # a and b read, the product written, wherever each lies (one of them in VMEM)
+          assert program.bytes_any_memory == 3 * 512 * 512 * 4
+        """
+        return sum(k.bytes + k.on_chip for k in self.kernels if not k.dma)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**super().to_dict(), "bytes_any_memory": self.bytes_any_memory}
+
     def roofline(self) -> Roofline:
         return CHIPS[parse(self.target)[0]][1]
 
     def __str__(self) -> str:
         text = super().__str__().replace(" kernels, ", " fusions, ", 1)
+        any_memory = f" ({self.bytes_any_memory / 2**20:.1f} MiB in either memory)"
+        text = text.replace(" MiB moved", " MiB moved" + any_memory, 1)
         return text.replace("(tpu gemms)", f"({self.chips} chip{'s' * (self.chips > 1)})", 1)
 
 
