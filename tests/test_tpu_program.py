@@ -229,11 +229,10 @@ def test_o2_and_loss_scaling_cost_on_a_tpu_what_they_cost_on_a_gpu(model, target
 @pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize(
-    ("model", "size", "target", "with_scale"),
-    [("gpt", "tpu", "tpu-v5e", False), ("cnn", "small", "tpu-v5e", True)],
+    ("model", "size", "with_scale"), [("gpt", "tpu", False), ("cnn", "small", True)]
 )
 def test_models_no_benchmark_tunes_for_cost_on_a_tpu_what_the_hand_written_step_costs(
-    model, size, target, with_scale
+    model, size, with_scale
 ):
     """The GPU-cost issue's LM (d_model 1024, 4 layers, 8 x 512 tokens, vocab 4096) and
     BatchNorm CNN (batch_stats mutable), float32 params and Adam, against the same Flax model
@@ -241,12 +240,13 @@ def test_models_no_benchmark_tunes_for_cost_on_a_tpu_what_the_hand_written_step_
     what the fusions read and write, wherever libtpu keeps it) O2 moves at most 1.01x the
     hand-written step's bytes but for the LM's float32 lookup sums (measured: LM 1.0028x
     without them, CNN 1.000x). Through HBM the CNN's are the same (1.000x) but the LM's are
-    1.035x (0.931x in the v6e program, RESULTS.md): libtpu keeps about 100 MiB fewer of O2's
-    fusion operands in a core's memory (VMEM), a choice it makes for the whole program. The
-    softmax island's backward pass tips it: differentiated through its float32 ops instead,
-    the v5e step moves the hand-written bytes, and the v6e one 1.017x. On the CNN, loss
-    scaling's exact skip adds 1.16 reads of the float32 gradients in either memory (9.5
-    through HBM, where libtpu keeps less on chip once the finite check is there)."""
+    1.035x, bounded at 1.04x (0.931x in the v6e program, RESULTS.md): libtpu keeps about
+    100 MiB fewer of O2's fusion operands in a core's memory (VMEM), a choice it makes for
+    the whole program. The softmax island's backward pass tips it: differentiated through
+    its float32 ops instead, the v5e step moves the hand-written bytes, and the v6e one
+    1.017x. On the CNN, loss scaling's exact skip adds 1.16 reads of the float32 gradients
+    in either memory (9.5 through HBM, where libtpu keeps less on chip once the finite check
+    is there)."""
     import pathlib
     import sys
 
@@ -254,6 +254,7 @@ def test_models_no_benchmark_tunes_for_cost_on_a_tpu_what_the_hand_written_step_
     import gpu_program as bench
     import memory
 
+    target = "tpu-v5e"
     module, x, y = memory.build(model, size)
     chosen = dict(bench.variants(target))
     names = ["hand-written bfloat16 (dtype=)", "mpjax O2 bfloat16"]
@@ -261,9 +262,9 @@ def test_models_no_benchmark_tunes_for_cost_on_a_tpu_what_the_hand_written_step_
     rows = [bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names]
     hand, o2 = rows[:2]
     sums = 8 * memory.lookup_elements(module, x)
-    assert o2["bytes_any_memory"] <= 1.01 * hand["bytes_any_memory"] + sums, (o2, hand)
-    bound = 1.04 if (model, target) == ("gpt", "tpu-v5e") else 1.01
-    assert o2["bytes_moved"] <= bound * hand["bytes_moved"] + sums, (o2, hand)
+    either, hbm = ((o2[k], hand[k]) for k in ("bytes_any_memory", "bytes_moved"))
+    assert either[0] <= 1.01 * either[1] + sums, either
+    assert hbm[0] <= (1.04 if model == "gpt" else 1.01) * hbm[1] + sums, hbm
     if with_scale:
         extra = rows[2]["bytes_any_memory"] - o2["bytes_any_memory"]
         assert extra / o2["grad_bytes"] <= 1.2, extra / o2["grad_bytes"]
