@@ -326,7 +326,9 @@ def test_tpu7x_target_runs_fp8_gemms_and_times_them_at_its_fp8_peak():
     ("tpu7x"): an FP8 policy's MLP step compiles to float8 matmuls, modeled at its FP8 peak,
     so its gemms model faster than O2 bfloat16's. (At d_model 4096 the whole step does too:
     1.166 against 1.830 ms; at this test's d_model 1024 the quantizing passes cost more than
-    the gemms save.)"""
+    the gemms save.) Delayed scaling's amaxes ride on the kernels that cast their tensors:
+    the step models 79.4 us against O2's 69.2 (it was 111.8, 1.62x, when each amax read its
+    tensor again in a kernel of its own)."""
     import mpjax.fp8
 
     d = 1024
@@ -349,3 +351,4 @@ def test_tpu7x_target_runs_fp8_gemms_and_times_them_at_its_fp8_peak():
         if k.kind == "gemm":
             assert line.seconds(k) == max(k.flops / line.fp8, k.bytes / line.bandwidth) + 1e-6
     assert fp8.tpu.modeled_by_kind()["gemm"] < 0.75 * o2.tpu.modeled_by_kind()["gemm"]
+    assert fp8.tpu.modeled_seconds() < 1.2 * o2.tpu.modeled_seconds()
