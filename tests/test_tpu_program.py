@@ -186,6 +186,29 @@ def test_a_fusion_that_updates_a_buffer_in_place_moves_the_update_only():
     assert kernel.bytes == 256 * 128 * 2 + 4 + 256 * 128 * 4
 
 
+_HAND, _O2, _SCALED = (
+    "hand-written bfloat16 (dtype=)",
+    "mpjax O2 bfloat16",
+    "mpjax O2 bfloat16 + loss_scale",
+)
+
+
+def _steps(model, size, target, names):
+    """(each named step's row, benchmarks/gpu_program.py's count, in `target`'s program; the
+    model's float32 lookup sums as counted, 8 bytes per table element)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import gpu_program as bench
+    import memory
+
+    module, x, y = memory.build(model, size)
+    chosen = dict(bench.variants(target))
+    rows = [bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names]
+    return rows, 8 * memory.lookup_elements(module, x)
+
+
 @pytest.mark.slow
 @needs_libtpu
 @pytest.mark.parametrize("target", ["tpu-v5e", "tpu-v6e"])
@@ -203,25 +226,9 @@ def test_o2_and_loss_scaling_cost_on_a_tpu_what_they_cost_on_a_gpu(model, target
     update fuses into the kernels that make the gradients, and an exact skip waits for every
     gradient's check, so it writes them and reads them back (optax.apply_if_finite's skip
     moves 21 reads there)."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    import gpu_program as bench
-    import memory
-
-    module, x, y = memory.build(model, "small")
-    chosen = dict(bench.variants(target))
-    names = (
-        "hand-written bfloat16 (dtype=)",
-        "mpjax O2 bfloat16",
-        "mpjax O2 bfloat16 + loss_scale",
-    )
-    rows = {n: bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names}
-    hand, o2, scaled = (rows[n] for n in names)
-    tables = memory.lookup_elements(module, x)
-    allowed = hand["bytes_moved"] + 8 * tables
-    assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand["bytes_moved"], tables)
+    (hand, o2, scaled), sums = _steps(model, "small", target, (_HAND, _O2, _SCALED))
+    allowed = hand["bytes_moved"] + sums
+    assert o2["bytes_moved"] <= allowed, (o2["bytes_moved"], hand["bytes_moved"], sums)
     reads = (scaled["bytes_moved"] - o2["bytes_moved"]) / o2["grad_bytes"]
     assert reads <= (1.3 if (model, target) == ("transformer", "tpu-v6e") else 1.0), reads
 
@@ -247,21 +254,8 @@ def test_models_no_benchmark_tunes_for_cost_on_a_tpu_what_the_hand_written_step_
     1.017x. On the CNN, loss scaling's exact skip adds 1.16 reads of the float32 gradients
     in either memory (9.5 through HBM, where libtpu keeps less on chip once the finite check
     is there)."""
-    import pathlib
-    import sys
-
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
-    import gpu_program as bench
-    import memory
-
-    target = "tpu-v5e"
-    module, x, y = memory.build(model, size)
-    chosen = dict(bench.variants(target))
-    names = ["hand-written bfloat16 (dtype=)", "mpjax O2 bfloat16"]
-    names += ["mpjax O2 bfloat16 + loss_scale"] * with_scale
-    rows = [bench.count(*bench.abstract_step(module, chosen[n], x, y), target) for n in names]
+    rows, sums = _steps(model, size, "tpu-v5e", (_HAND, _O2, _SCALED)[: 2 + with_scale])
     hand, o2 = rows[:2]
-    sums = 8 * memory.lookup_elements(module, x)
     either, hbm = ((o2[k], hand[k]) for k in ("bytes_any_memory", "bytes_moved"))
     assert either[0] <= 1.01 * either[1] + sums, either
     assert hbm[0] <= (1.04 if model == "gpt" else 1.01) * hbm[1] + sums, hbm

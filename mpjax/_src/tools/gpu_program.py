@@ -376,8 +376,8 @@ def read_kernels(text: str) -> list[Kernel]:
             library = ins.opcode == "custom-call"
             if library and re.search(r'custom_call_target="\w*Bitcast"', ins.attrs):
                 continue  # a TPU's concatenation in place: no data moves
-            on_chip = 0
-            if ins.opcode in _DMA:
+            on_chip, dma = 0, ins.opcode in _DMA
+            if dma:
                 moved = _bytes(ins.shape, on_chip=True)
             else:
                 hbm, on_chip = (
@@ -393,7 +393,6 @@ def read_kernels(text: str) -> list[Kernel]:
             op = re.search(r'op_name="([^"]*)"', ins.attrs)
             name = op.group(1) if op else ""
             flops = _flops(kind, ins, comp, comps)
-            dma = ins.opcode in _DMA
             found.append(Kernel(ins.name, kind, moved, types, via, name, flops, on_chip, dma))
 
     walk(entry, "", 0)
