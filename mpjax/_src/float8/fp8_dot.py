@@ -551,7 +551,8 @@ def nv_quantize(
       >>> s.tolist(), q.astype(jnp.float32)[0, -4:].tolist()   # 15 / 6 = 2.5 (E4M3); 12 / 2.5 -> 4
       ([[2.5]], [4.0, 6.0, 6.0, 6.0])
     """
-    moved = jnp.moveaxis(x, axis, -1).astype(jnp.float32) / scale
+    # times the reciprocal, written out: the kernel's arithmetic (quantize_kernel._nv_kernel)
+    moved = jnp.moveaxis(x, axis, -1).astype(jnp.float32) * (1.0 / scale)
     *lead, k = moved.shape
     blocks = moved.reshape(*lead, k // NV_BLOCK, NV_BLOCK)
     if square:  # the amax of each 16 x 16 tile, for each of its 16 rows

@@ -327,13 +327,16 @@ def _nv_kernel(
     scale = nv_tensor_scale(amax)
     # a rotation's from 4 x the amax (see fp8_dot.nv_quantize_both)
     scale_t = nv_tensor_scale(4 * amax) if cfg.hadamard is not None else scale
-    y = x / scale
+    # times the reciprocal, as fp8_dot.nv_quantize: a compiler may or may not rewrite a
+    # division by a scalar so, and the two programs would then round differently
+    y = x * (1.0 / scale)
     amax = _tile_amax(y) if cfg.square else _block_amax(y)
     first = n * rr * cc + i * r * cc + j * c
     q, s = _nv_blocks(y, amax, cfg.seeds[0], first, cc)
     rows_ref[0] = q
     row_scales_ref[0] = s
-    yt = (_rotated(x, hadamard(cfg.hadamard)) if cfg.hadamard is not None else x).T / scale_t
+    yt = (_rotated(x, hadamard(cfg.hadamard)) if cfg.hadamard is not None else x).T
+    yt = yt * (1.0 / scale_t)
     # square: the same numbers, transposed (the tiles' amaxes are the transposed tiles')
     amax = _tile_amax(yt) if cfg.square else _block_amax(yt)
     first = n * rr * cc + j * c * rr + i * r
