@@ -651,17 +651,16 @@ def nv_quantize_both(
     so, and its two copies are then the same numbers."""
     square = weight and opts.square
     rotate = opts.hadamard and not weight
+    if kernel and hardware.one_device():  # the kernel writes the tensor scales too
+        negated = _negated(opts.seed) if rotate else None
+        return nv_quantize_both_kernel(
+            x, amax, negated, square=square, seeds=seeds, interpret=interpret
+        )
     scale = nv_tensor_scale(amax)
     # a rotation's tensor scale from 4 x the known amax (no element of it exceeds that):
     # E4M3 block scales keep their 3 bits over the 2 bits of range this gives up, and no pass
     # over the rotated tensor is spent on its exact amax
     scale_t = nv_tensor_scale(4 * amax) if rotate else scale
-    if kernel and hardware.one_device():
-        negated = _negated(opts.seed) if rotate else None
-        along_c, along_r = nv_quantize_both_kernel(
-            x, amax, negated, square=square, seeds=seeds, interpret=interpret
-        )
-        return (*along_c, scale), (*along_r, scale_t)
     if square:  # one quantizing: the copy along R is the one along C transposed
         tiled = (*nv_quantize(x, 1, scale, square=True), scale)
         return _transposed(tiled), tiled

@@ -316,6 +316,7 @@ def _nv_kernel(
     row_scales_ref: Any,
     cols_ref: Any,
     col_scales_ref: Any,
+    tensor_scales_ref: Any,
 ) -> None:
     from jax.experimental import pallas as pl
 
@@ -327,6 +328,10 @@ def _nv_kernel(
     scale = nv_tensor_scale(amax)
     # a rotation's from 4 x the amax (see fp8_dot.nv_quantize_both)
     scale_t = nv_tensor_scale(4 * amax) if cfg.hadamard is not None else scale
+    # every program writes the same two tensor scales: the gemms multiply their results by
+    # these, values that no kernel of XLA's works out (see fp8_dot._nv_gemm)
+    tensor_scales_ref[0] = scale
+    tensor_scales_ref[1] = scale_t
     # times the reciprocal, as fp8_dot.nv_quantize: a compiler may or may not rewrite a
     # division by a scalar so, and the two programs would then round differently
     y = x * (1.0 / scale)
@@ -353,16 +358,18 @@ def nv_quantize_both(
     square: bool = False,
     seeds: tuple[int | None, int | None] = (None, None),
     interpret: bool = False,
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
     """`x` [B, R, C] (its `amax` given, float32) quantized to NVFP4 along C and along R in one
-    kernel: ((E2M1 values [B, R, C], E4M3 scales [B, R, C / 16]), (values [B, C, R] (x's
-    transpose), scales [B, C, R / 16])), under the tensor scale of `amax` (of 4 x amax for a
-    copy rotated along R by the Hadamard transform whose columns `negated` negates
-    (see :func:`hadamard`), where given; the tensor scales are worked
-    out in the kernel, so no kernel of their own runs before it). `square` scales 16 x 16
-    tiles (both copies then hold the same numbers); `seeds` round each copy stochastically.
-    The numbers of ``fp8_dot.nv_quantize`` (and ``rht``). `interpret` runs it anywhere (for
-    tests)."""
+    kernel: ((E2M1 values [B, R, C], E4M3 scales [B, R, C / 16], the float32 tensor scale),
+    (values [B, C, R] (x's transpose), scales [B, C, R / 16], its tensor scale)), under the
+    tensor scale of `amax` (of 4 x amax for a copy rotated along R by the Hadamard transform
+    whose columns `negated` negates (see :func:`hadamard`), where given). The kernel works
+    the tensor scales out and writes them, so no kernel of XLA's computes them before it or
+    after it (their product, which multiplies each gemm's result, is then of two values XLA
+    folds into that multiply: 30 kernels fewer in the FP8 benchmark's B200 step). `square`
+    scales 16 x 16 tiles (both copies then hold the same numbers); `seeds` round each copy
+    stochastically. The numbers of ``fp8_dot.nv_quantize`` (and ``rht``). `interpret` runs
+    it anywhere (for tests)."""
     return _nv_quantize_both(x, amax, negated, square, seeds, interpret)
 
 
@@ -382,7 +389,7 @@ def _nv_quantize_both(
 
     cfg = _NVKernel(square, negated, seeds, (b, r, c))
     kernel = functools.partial(_nv_kernel, cfg)
-    rows, row_scales, cols, col_scales = pl.pallas_call(
+    rows, row_scales, cols, col_scales, scales = pl.pallas_call(
         kernel,
         grid=(b, r // tr, c // tc),
         in_specs=[
@@ -394,12 +401,14 @@ def _nv_quantize_both(
             _spec((tr, tc // NV_BLOCK)),
             _spec((tc, tr // 2), transposed=True),
             _spec((tc, tr // NV_BLOCK), transposed=True),
+            pl.BlockSpec((2,), lambda n, i, j: (0,)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, r, c // 2), jnp.uint8),
             jax.ShapeDtypeStruct((b, r, c // NV_BLOCK), E4M3),
             jax.ShapeDtypeStruct((b, c, r // 2), jnp.uint8),
             jax.ShapeDtypeStruct((b, c, r // NV_BLOCK), E4M3),
+            jax.ShapeDtypeStruct((2,), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=None if interpret else _compiler_params(),
@@ -410,7 +419,7 @@ def _nv_quantize_both(
         *lead, half = q.shape
         return lax.bitcast_convert_type(q, E2M1).reshape(*lead, 2 * half)
 
-    return (unpacked(rows), row_scales), (unpacked(cols), col_scales)
+    return (unpacked(rows), row_scales, scales[0]), (unpacked(cols), col_scales, scales[1])
 
 
 # -- per-row current scaling (Hopper's recipe): each row and each column its own scale ---------
